@@ -1,0 +1,56 @@
+"""The KV state of one sequence: a preallocated cache plus a length.
+
+Layout [layers, KV heads, max_ctx, D]: heads-major so each layer's committed keys `[:, :length]` are
+one strided view that scaled_dot_product_attention reads without a copy. Rolling back rejected
+tokens is moving `length`; a snapshot copies only `[:length]`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import Tensor
+
+
+@attrs.frozen
+class KVSnapshot:
+    keys: Tensor  # [layers, KV, length, D]
+    values: Tensor
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+class KVCache:
+    def __init__(self, layers: int, kv_heads: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device):
+        shape = (layers, kv_heads, max_ctx, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_ctx = max_ctx
+        self.length = 0
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k/v [T, KV, D] at start..start+T; return the layer's keys/values [KV, start+T, D]."""
+        end = start + k.shape[0]
+        self.keys[layer, :, start:end] = k.transpose(0, 1)
+        self.values[layer, :, start:end] = v.transpose(0, 1)
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop KV length {self.length} to {length}")
+        self.length = length
+
+    def snapshot(self, length: int | None = None) -> KVSnapshot:
+        n = self.length if length is None else length
+        return KVSnapshot(self.keys[:, :, :n].clone(), self.values[:, :, :n].clone(), n)
+
+    def restore(self, snap: KVSnapshot) -> None:
+        n = snap.length
+        if n > self.max_ctx:
+            raise ValueError(f"snapshot of {n} tokens does not fit a KV cache of {self.max_ctx}")
+        self.keys[:, :, :n] = snap.keys
+        self.values[:, :, :n] = snap.values
+        self.length = n

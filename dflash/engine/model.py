@@ -1,0 +1,382 @@
+"""A llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) with a static KV cache.
+
+In the spirit of gpt-fast: one plain module, tensors with their shapes in comments, no framework.
+Differences between the architectures are a handful of flags on `ModelArgs`:
+qkv bias (Qwen2), q/k RMSNorm (Qwen3), RoPE scaling (llama3, yarn), tied embeddings.
+
+Shapes: B = 1 (one sequence), T = new tokens, L = committed length, H = query heads,
+KV = key/value heads, D = head dim, C = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash.engine.kv import KVCache
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@attrs.frozen
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelArgs":
+        architectures = config.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise UnsupportedArchitecture(architectures or [config.get("model_type")])
+        family = SUPPORTED_ARCHITECTURES[architecture]
+        num_heads = config["num_attention_heads"]
+        # transformers 5 folds rope_theta and rope_scaling into one rope_parameters dict.
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        return cls(
+            architecture=architecture,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope or None,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
+            attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+        )
+
+
+class UnsupportedArchitecture(ValueError):
+    def __init__(self, names: Sequence[Any]):
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        super().__init__(
+            f"unsupported model architecture {list(names)!r}; the built-in decoder supports {supported}"
+        )
+
+
+def rope_inverse_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
+    """Inverse frequencies [D/2] and the attention scaling factor (yarn's mscale, else 1)."""
+    dim = args.head_dim
+    base = args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float(), 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = scaling.get("high_freq_factor", 4.0)
+        old_context = scaling.get("original_max_position_embeddings", 8192)
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled).float(), 1.0
+    if kind == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, dim, base, scaling, args.max_position_embeddings)
+    if kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn")
+    return inv_freq.float(), 1.0
+
+
+def _yarn_inverse_frequencies(
+    inv_freq: Tensor, dim: int, base: float, scaling: dict[str, Any], max_positions: int
+) -> tuple[Tensor, float]:
+    factor = scaling["factor"]
+    old_context = scaling.get("original_max_position_embeddings") or max_positions
+    beta_fast = scaling.get("beta_fast", 32)
+    beta_slow = scaling.get("beta_slow", 1)
+    mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    interpolated = inv_freq / factor
+    blended = interpolated * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    return blended.float(), float(mscale)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalize in fp32 like the reference implementations, so bf16 matches transformers.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_tables(inv_freq: Tensor, max_ctx: int, scale: float, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+    """cos [max_ctx, D] and a sign-folded sin [max_ctx, D], computed once in fp32, then cast.
+
+    HF's rotate_half(x) * sin equals roll(x, D/2) * [-sin, sin], so RoPE costs a roll, two muls
+    and an add per call with the same roundings as the reference (negation is exact).
+    """
+    positions = torch.arange(max_ctx, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq.to(device))
+    cos = (torch.cat((freqs, freqs), dim=-1).cos() * scale).to(dtype)
+    sin = (freqs.sin() * scale).to(dtype)
+    return cos, torch.cat((-sin, sin), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x [T, heads, D]; cos/signed_sin [T, 1, D] in x's dtype."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        q_size = args.num_heads * args.head_dim
+        kv_size = args.num_kv_heads * args.head_dim
+        # One matmul for q, k and v: fewer kernel launches per decode step.
+        self.wqkv = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.attention_bias)
+        self.wo = nn.Linear(q_size, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(
+        self,
+        x: Tensor,  # [T, C]
+        cos: Tensor,  # [T, 1, D]
+        sin: Tensor,
+        kv: KVCache,
+        layer: int,
+        start: int,
+        mask: Tensor | None,  # [T, start+T] bool (True = may attend) or None for causal
+    ) -> Tensor:
+        T = x.shape[0]
+        H, KV = self.num_heads, self.num_kv_heads
+        qkv = self.wqkv(x).view(T, H + 2 * KV, self.head_dim)
+        if self.q_norm is not None:
+            q = apply_rope(self.q_norm(qkv[:, :H]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, H : H + KV]), cos, sin)
+        else:  # q and k rotated in one go
+            qk = apply_rope(qkv[:, : H + KV], cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, H + KV :]
+        keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
+        if mask is None and T > 1:
+            mask = causal_mask(T, start, x.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True
+        )  # [H, T, D]
+        return self.wo(out.transpose(0, 1).reshape(T, H * self.head_dim).to(x.dtype))
+
+
+def causal_mask(new_tokens: int, start: int, device: torch.device) -> Tensor:
+    """[T, start+T] bool: token i sees everything committed plus new tokens 0..i."""
+    rows = torch.arange(new_tokens, device=device).unsqueeze(1) + start
+    cols = torch.arange(start + new_tokens, device=device).unsqueeze(0)
+    return cols <= rows
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        # gate and up projections fused into one matmul.
+        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv, layer, start, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        inv_freq, self.rope_attention_scale = rope_inverse_frequencies(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_cache: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_kv_cache(self, max_ctx: int) -> KVCache:
+        a = self.args
+        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.kv_dtype, self.device)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        # On CPU, attention runs in fp32: AVX2 has no bf16 arithmetic and bf16 SDPA measured 4x
+        # slower. bf16 keys/values are exact in fp32, so nothing changes but speed.
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.dtype
+
+    def _rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < max_ctx:
+            cos, sin = rope_tables(self.inv_freq, max_ctx, self.rope_attention_scale, self.dtype, self.device)
+            self._rope_cache = (cos.unsqueeze(1), sin.unsqueeze(1))  # [max_ctx, 1, D]
+        return self._rope_cache
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,  # [T] int64
+        start_position: int,
+        kv: KVCache,
+        *,
+        capture_layers: Sequence[int] = (),
+        attention_mask: Tensor | None = None,  # [T, start+T] bool over committed + new tokens
+        logits_positions: slice | Sequence[int] | None = slice(-1, None),
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Run T new tokens at positions start..start+T-1, append them to `kv`.
+
+        Returns logits [len(logits_positions), vocab] in fp32 and the hidden states [T, C] after each
+        layer in `capture_layers` (index i = the output of decoder layer i), from the same pass.
+        `logits_positions=None` returns logits for every new token (verification).
+        """
+        T = tokens.shape[0]
+        end = start_position + T
+        if end > kv.max_ctx:
+            raise ValueError(f"positions up to {end} exceed the KV cache size {kv.max_ctx}")
+        cos_table, sin_table = self._rope_tables(kv.max_ctx)
+        cos = cos_table[start_position:end]
+        sin = sin_table[start_position:end]
+        x = self.embed(tokens)  # [T, C]
+        captured: list[Tensor] = []
+        capture = set(capture_layers)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv, index, start_position, attention_mask)
+            if index in capture:
+                captured.append(x.clone())
+        kv.length = end
+        if logits_positions is not None:
+            x = x[logits_positions]
+        logits = self.lm_head(self.norm(x)).float()
+        if capture:
+            order = {layer: i for i, layer in enumerate(sorted(capture))}
+            captured = [captured[order[layer]] for layer in capture_layers]
+        return logits, captured
+
+
+def hf_state_dict_to_ours(state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """Rename (and fuse) a Hugging Face llama-family state dict into this module's names."""
+
+    def take(name: str) -> Tensor:
+        try:
+            return state.pop(name)
+        except KeyError:
+            raise KeyError(f"checkpoint is missing tensor {name!r}") from None
+
+    ours: dict[str, Tensor] = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if "lm_head.weight" in state and not args.tie_word_embeddings:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    elif args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    else:
+        raise KeyError("checkpoint is missing tensor 'lm_head.weight' and embeddings are not tied")
+    for i in range(args.num_layers):
+        hf = f"model.layers.{i}."
+        our = f"layers.{i}."
+        ours[our + "attention.wqkv.weight"] = torch.cat(
+            [take(hf + f"self_attn.{p}_proj.weight") for p in "qkv"]
+        )
+        if args.attention_bias:
+            ours[our + "attention.wqkv.bias"] = torch.cat([take(hf + f"self_attn.{p}_proj.bias") for p in "qkv"])
+        ours[our + "attention.wo.weight"] = take(hf + "self_attn.o_proj.weight")
+        if args.qk_norm:
+            ours[our + "attention.q_norm.weight"] = take(hf + "self_attn.q_norm.weight")
+            ours[our + "attention.k_norm.weight"] = take(hf + "self_attn.k_norm.weight")
+        ours[our + "feed_forward.w13.weight"] = torch.cat(
+            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")]
+        )
+        ours[our + "feed_forward.w2.weight"] = take(hf + "mlp.down_proj.weight")
+        ours[our + "attention_norm.weight"] = take(hf + "input_layernorm.weight")
+        ours[our + "ffn_norm.weight"] = take(hf + "post_attention_layernorm.weight")
+    leftovers = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
+    if leftovers:
+        raise KeyError(f"checkpoint has unexpected tensors, e.g. {leftovers[:3]!r}")
+    return ours
+
+
+def build_transformer(args: ModelArgs, state: dict[str, Tensor], dtype: torch.dtype, device: str = "cpu") -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    ours = hf_state_dict_to_ours(dict(state), args)
+    model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise KeyError(f"checkpoint is missing tensors for {missing[:3]!r}")
+    inv_freq, model.rope_attention_scale = rope_inverse_frequencies(args)
+    model.inv_freq = inv_freq
+    return model.to(device).eval()
