@@ -1,0 +1,84 @@
+"""Generation on a tiny random model: chunked prefill, stops, prefix reuse, stats."""
+
+import torch
+
+from dflash.engine.generate import Engine
+from dflash.engine.sampling import SamplingParams
+from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+PROMPT = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3]
+
+
+def make_engine(prefill_chunk=4, eos=()):
+    return Engine(ours_from_hf(tiny_hf_model("llama")), max_ctx=64, prefill_chunk=prefill_chunk, eos_token_ids=eos)
+
+
+def reference_greedy(engine, prompt, n):
+    """Greedy by full recomputation each step: no KV cache involved."""
+    ids = list(prompt)
+    for _ in range(n):
+        kv = engine.model.new_kv_cache(64)
+        logits, _ = engine.model(torch.tensor(ids), 0, kv)
+        ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_chunked_prefill_and_decode_equal_full_recomputation():
+    engine = make_engine(prefill_chunk=4)
+    generation = engine.start(PROMPT, SamplingParams(), max_tokens=10)
+    steps = []
+    while generation.finished is None:
+        steps.append(generation.step())
+    assert [s.phase for s in steps[:3]] == ["prefill"] * 3  # 11 tokens in chunks of 4
+    assert steps[0].tokens == [] and len(steps[2].tokens) == 1
+    assert generation.output == reference_greedy(engine, PROMPT, 10)
+    assert generation.finished == "length"
+    stats = generation.stats
+    assert (stats.prompt_tokens, stats.prefilled_tokens, stats.generated_tokens) == (11, 11, 10)
+    assert stats.prefill_ms > 0 and stats.decode_ms > 0
+
+
+def test_eos_stops_without_emitting_the_eos_token():
+    engine = make_engine()
+    expected = reference_greedy(engine, PROMPT, 5)
+    engine.eos_token_ids = frozenset({expected[3]})
+    generation = engine.start(PROMPT, SamplingParams(), max_tokens=10)
+    assert generation.run() == expected[: expected.index(expected[3])]
+    assert generation.finished == "stop"
+
+
+def test_stop_token_sequence_stops_after_the_sequence():
+    engine = make_engine()
+    expected = reference_greedy(engine, PROMPT, 6)
+    stop = expected[2:4]
+    first_end = next(i for i in range(2, 7) if expected[i - 2 : i] == stop)
+    generation = engine.start(PROMPT, SamplingParams(), max_tokens=10, stop_token_ids=[stop])
+    assert generation.run() == expected[:first_end]
+    assert generation.finished == "stop"
+
+
+def test_next_prompt_reuses_the_live_prefix_and_gives_the_same_tokens():
+    engine = make_engine()
+    first = engine.start(PROMPT, SamplingParams(), max_tokens=4)
+    first.run()
+    follow_up = PROMPT + first.output + [8, 8, 1]
+    generation = engine.start(follow_up, SamplingParams(), max_tokens=5)
+    out = generation.run()
+    assert generation.stats.cached_tokens == len(PROMPT) + 3  # the last generated token was never fed back
+    assert generation.stats.prefilled_tokens == len(follow_up) - generation.stats.cached_tokens
+    assert out == reference_greedy(engine, follow_up, 5)
+
+
+def test_closing_mid_prefill_leaves_the_engine_ready():
+    engine = make_engine(prefill_chunk=2)
+    abandoned = engine.start([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), max_tokens=3)
+    abandoned.step()
+    abandoned.close()
+    generation = engine.start(PROMPT, SamplingParams(), max_tokens=3)
+    assert generation.run() == reference_greedy(engine, PROMPT, 3)
+
+
+def test_max_tokens_is_clamped_to_the_room_left_in_the_context():
+    engine = make_engine()
+    generation = engine.start(list(range(1, 61)), SamplingParams(), max_tokens=100)
+    assert len(generation.run()) == 4 and generation.finished == "length"
