@@ -36,7 +36,7 @@ class HFCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop KV length {self.length} to {length}")
         if length < self.length:
-            self.cache.crop(length)
+            self.cache.crop(length - self.length)  # transformers 5 crops by a negative count
         self.length = length
 
     def snapshot(self, length: int | None = None) -> "HFCache":

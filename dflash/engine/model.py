@@ -140,6 +140,21 @@ def _yarn_inverse_frequencies(
     return blended.float(), float(mscale)
 
 
+# At or above this many rows, a bf16/fp16 matmul on CPU runs faster as fp32 on upcast weights: without
+# AVX512-BF16/AMX the half-precision GEMM degrades to one GEMV per row (measured on AVX2: 256 rows
+# 124 ms vs 24 ms upcast; the crossover is near 6 rows). Products of half-precision values are exact
+# in fp32, so only the accumulation order differs from the half-precision kernel.
+UPCAST_MIN_ROWS = 6
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] >= UPCAST_MIN_ROWS and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -179,8 +194,8 @@ class Attention(nn.Module):
         q_size = args.num_heads * args.head_dim
         kv_size = args.num_kv_heads * args.head_dim
         # One matmul for q, k and v: fewer kernel launches per decode step.
-        self.wqkv = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.attention_bias)
-        self.wo = nn.Linear(q_size, args.hidden_size, bias=False)
+        self.wqkv = Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.attention_bias)
+        self.wo = Linear(q_size, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
@@ -207,10 +222,26 @@ class Attention(nn.Module):
         keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
         if mask is None and T > 1:
             mask = causal_mask(T, start, x.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True
-        )  # [H, T, D]
-        return self.wo(out.transpose(0, 1).reshape(T, H * self.head_dim).to(x.dtype))
+        out = grouped_query_attention(q.to(keys.dtype), keys, values, mask)  # [T, H, D]
+        return self.wo(out.reshape(T, H * self.head_dim).to(x.dtype))
+
+
+def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """q [T, H, D], keys/values [KV, L, D], mask [T, L] or None -> [T, H, D].
+
+    The G = H / KV query heads that share a key/value head are laid out as G*T query rows of that
+    head, so SDPA runs on KV heads with no copy of the keys; measured 4x faster on CPU than
+    `enable_gqa=True` (which falls back to the math kernel) or expanding the keys.
+    """
+    T, H, D = q.shape
+    KV = keys.shape[0]
+    G = H // KV
+    rows = q.view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
+    if mask is not None:
+        mask = mask.repeat(G, 1)  # row g*T + t is query t of head g
+    # 4-D inputs: the CPU flash kernel only takes [batch, heads, rows, D]; 3-D ones fall back to math.
+    out = F.scaled_dot_product_attention(rows[None], keys[None], values[None], attn_mask=mask)
+    return out[0].view(KV, G, T, D).permute(2, 0, 1, 3)
 
 
 def causal_mask(new_tokens: int, start: int, device: torch.device) -> Tensor:
@@ -225,8 +256,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.intermediate_size = args.intermediate_size
         # gate and up projections fused into one matmul.
-        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
@@ -253,7 +284,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         inv_freq, self.rope_attention_scale = rope_inverse_frequencies(args)
