@@ -13,7 +13,9 @@ from typing import Literal, Sequence
 import attrs
 import torch
 
+from dflash.engine.drafters.ngram import NgramDrafter
 from dflash.engine.sampling import Sampler, SamplingParams
+from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
 
 FinishReason = Literal["stop", "length"]
 
@@ -26,6 +28,16 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    draft_tokens: int = 0  # proposed by a drafter
+    accepted_tokens: int = 0  # of those, verified equal to the target's own choice
+    verification_steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verification forward (accepted drafts + the target's token)."""
+        if not self.verification_steps:
+            return 0.0
+        return (self.accepted_tokens + self.verification_steps) / self.verification_steps
 
 
 @attrs.define
@@ -46,8 +58,23 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 class Engine:
     """One model, one KV cache, one live generation at a time."""
 
-    def __init__(self, model, *, max_ctx: int, prefill_chunk: int = 256, eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        model,
+        *,
+        max_ctx: int,
+        prefill_chunk: int = 256,
+        eos_token_ids: Sequence[int] = (),
+        speculation: SpeculationConfig = SpeculationConfig(),
+        dflash_drafter=None,
+    ):
         self.model = model
+        self.speculation = speculation
+        # The DFlash drafter mirrors the engine's KV: it sees the captured hidden states of every
+        # token the target computes and is cropped with it, so its context is always complete.
+        self.dflash_drafter = dflash_drafter
+        if speculation.drafter == "dflash" and dflash_drafter is None:
+            raise ValueError("speculative drafter 'dflash' needs a draft model")
         self.max_ctx = max_ctx
         self.prefill_chunk = prefill_chunk
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -71,16 +98,32 @@ class Engine:
         return generation
 
     def forward(self, tokens: list[int], **kwargs):
-        """Append `tokens` after the committed ones; returns (logits, captured hidden states)."""
+        """Append `tokens` after the committed ones; returns their logits (see Transformer.forward)."""
         start = self.kv.length
         ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
-        logits, hidden = self.model(ids, start, self.kv, **kwargs)
+        drafter = self.dflash_drafter
+        capture = drafter.capture_layers if drafter is not None else ()
+        logits, hidden = self.model(ids, start, self.kv, capture_layers=capture, **kwargs)
+        if drafter is not None:
+            drafter.observe(start, hidden)
         self.committed.extend(tokens)
-        return logits, hidden
+        return logits
 
     def rollback(self, length: int) -> None:
         self.kv.crop(length)
         del self.committed[length:]
+        if self.dflash_drafter is not None:
+            self.dflash_drafter.crop(length)
+
+    def drafters(self) -> dict[str, object]:
+        """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""
+        mode = self.speculation.drafter
+        chosen: dict[str, object] = {}
+        if mode in ("auto", "ngram"):
+            chosen["ngram"] = NgramDrafter(self.speculation.ngram_min, self.speculation.ngram_max)
+        if mode in ("auto", "dflash") and self.dflash_drafter is not None:
+            chosen["dflash"] = self.dflash_drafter
+        return chosen
 
 
 class Generation:
@@ -109,6 +152,7 @@ class Generation:
         self.output: list[int] = []
         self.finished: FinishReason | None = None
         self.closed = False
+        self.speculation = SpeculationPolicy(engine.speculation, engine.drafters())
         # Reuse the engine's live KV state for the shared prefix; at least one prompt token is
         # always computed, because its logits give the first generated token.
         reused = min(common_prefix_length(engine.committed, prompt_ids), len(prompt_ids) - 1)
@@ -136,27 +180,59 @@ class Generation:
         chunk = self.prompt_ids[self.position : self.position + self.engine.prefill_chunk]
         self.position += len(chunk)
         self.stats.prefilled_tokens += len(chunk)
-        logits, _ = self.engine.forward(chunk)
+        logits = self.engine.forward(chunk)
         if self.prefilling:
             return StepOutput([], None, "prefill")
-        return self._accept(logits[-1], "prefill")
+        emitted = self._emit(self.sampler.sample(logits[-1], self.output))
+        return StepOutput(emitted, self.finished, "prefill")
 
     def _decode_one(self) -> StepOutput:
-        logits, _ = self.engine.forward([self.output[-1]])
-        return self._accept(logits[-1], "decode")
+        drafter, draft = self.speculation.choose(self.engine.committed + self.output[-1:])
+        if draft:
+            return self._speculative_step(drafter, draft)
+        started = time.perf_counter()
+        logits = self.engine.forward([self.output[-1]])
+        emitted = self._emit(self.sampler.sample(logits[-1], self.output))
+        self.speculation.record_plain(time.perf_counter() - started)
+        return StepOutput(emitted, self.finished, "decode")
 
-    def _accept(self, logits: torch.Tensor, phase) -> StepOutput:
-        token = self.sampler.sample(logits, self.output)
+    def _speculative_step(self, drafter, draft: list[int]) -> StepOutput:
+        """Verify `draft` after the pending token in one target forward (see speculative.py)."""
+        draft = draft[: self.max_tokens - len(self.output)]
+        started = time.perf_counter()
+        base = self.engine.kv.length
+        logits = self.engine.forward([self.output[-1]] + draft, logits_positions=None)
+        emitted: list[int] = []
+        accepted = 0  # draft tokens whose KV stays: matched, and not the final emitted token
+        matched = 0
+        for i in range(len(draft) + 1):
+            token = self.sampler.sample(logits[i], self.output)
+            emitted += self._emit(token)
+            is_match = i < len(draft) and token == draft[i]
+            matched += is_match
+            if self.finished is not None or not is_match:
+                break
+            accepted += 1
+        # Keep the pending token and the accepted drafts; the last emitted token is the new pending one.
+        self.engine.rollback(base + 1 + accepted)
+        self.stats.draft_tokens += len(draft)
+        self.stats.accepted_tokens += matched
+        self.stats.verification_steps += 1
+        self.speculation.record(drafter, len(draft), matched, time.perf_counter() - started)
+        return StepOutput(emitted, self.finished, "decode")
+
+    def _emit(self, token: int) -> list[int]:
+        """Commit one sampled token to the output; sets `finished` when generation must stop."""
         self.stats.generated_tokens += 1
         if token in self.engine.eos_token_ids:
             self.finished = "stop"
-            return StepOutput([], "stop", phase)
+            return []
         self.output.append(token)
         if any(self.output[-len(s) :] == s for s in self.stop_token_ids):
             self.finished = "stop"
         elif len(self.output) >= self.max_tokens:
             self.finished = "length"
-        return StepOutput([token], self.finished, phase)
+        return [token]
 
     def close(self) -> None:
         """Release the engine; its KV state keeps every computed token for the next prompt to reuse."""
