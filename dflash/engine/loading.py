@@ -20,7 +20,9 @@ import attrs
 import structlog
 import torch
 
+from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
 from dflash.engine.generate import Engine
+from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
@@ -54,6 +56,8 @@ def load_model(
     threads: int = 1,
     prefill_chunk: int = 256,
     cache_dir: str | os.PathLike | None = None,
+    speculation: SpeculationConfig = SpeculationConfig(),
+    draft_model: str | os.PathLike | None = None,
 ) -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -75,7 +79,23 @@ def load_model(
         backend = "transformers"
     if max_ctx <= 0:
         max_ctx = model.args.max_position_embeddings
-    engine = Engine(model, max_ctx=max_ctx, prefill_chunk=prefill_chunk, eos_token_ids=eos_ids)
+    drafter = None
+    if draft_model and speculation.drafter in ("auto", "dflash"):
+        if backend != "native":
+            raise ModelLoadError("the DFlash drafter needs the built-in decoder; this model runs on transformers")
+        draft = load_dflash_checkpoint(Path(draft_model).expanduser(), DTYPES[dtype])
+        drafter = DFlashDrafter(draft, model, max_ctx)
+        speculation = attrs.evolve(
+            speculation, max_draft_tokens=min(speculation.max_draft_tokens, draft.config.block_size - 1)
+        )
+    engine = Engine(
+        model,
+        max_ctx=max_ctx,
+        prefill_chunk=prefill_chunk,
+        eos_token_ids=eos_ids,
+        speculation=speculation,
+        dflash_drafter=drafter,
+    )
     return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
 
 

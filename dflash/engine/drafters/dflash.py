@@ -1,0 +1,327 @@
+"""The DFlash block-diffusion draft model (see shared notes, dflash-algorithm.md §1-2).
+
+A few Qwen3-style layers predict a whole block at once: the block is [pending token, MASK, ...],
+its queries attend without a mask over the block and over "context" keys/values projected from the
+target's own hidden states (several target layers, concatenated, through `fc` + `hidden_norm`).
+The drafter borrows the target's embeddings and LM head. Its KV cache holds the projected context
+of committed tokens only; block rows are computed per proposal and thrown away.
+
+Checkpoints use the z-lab layout: config.json with `block_size` and
+`dflash_config.{mask_token_id,target_layer_ids}`, and unprefixed safetensors names (`fc.weight`,
+`layers.0.self_attn.q_proj.weight`, ...), which are exactly this module's parameter names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash.engine.kv import KVCache
+from dflash.engine.model import Linear, RMSNorm, apply_rope, grouped_query_attention, rope_tables
+
+
+class DraftLoadError(ValueError):
+    pass
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """The reference default: the middle layer for one feature, else evenly from 1 to n-3."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    return [round(first + (last - first) * i / (num_features - 1)) for i in range(num_features)]
+
+
+@attrs.frozen
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+
+    @classmethod
+    def from_json(cls, config: dict[str, Any]) -> "DFlashConfig":
+        try:
+            extra = config.get("dflash_config") or {}
+            num_layers = config["num_hidden_layers"]
+            num_target_layers = config.get("num_target_layers", 0)
+            layer_ids = extra.get("target_layer_ids") or build_target_layer_ids(num_target_layers, num_layers)
+            rope = config.get("rope_parameters") or {}
+            return cls(
+                hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"],
+                num_layers=num_layers,
+                num_heads=config["num_attention_heads"],
+                num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                block_size=config["block_size"],
+                mask_token_id=extra["mask_token_id"] if "mask_token_id" in extra else config["mask_token_id"],
+                target_layer_ids=tuple(layer_ids),
+                num_target_layers=num_target_layers or max(layer_ids) + 1,
+                vocab_size=config.get("vocab_size", 0),
+                rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+                rope_theta=rope.get("rope_theta") or config.get("rope_theta", 10000.0),
+                max_position_embeddings=config.get("max_position_embeddings", 32768),
+            )
+        except KeyError as exc:
+            raise DraftLoadError(f"DFlash config.json lacks the key {exc.args[0]!r}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "num_target_layers": self.num_target_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+        }
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, H] -> rotated, normed keys and values [N, KV, hd]."""
+        N = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(N, self.c.num_kv_heads, self.c.head_dim))
+        v = self.v_proj(x).view(N, self.c.num_kv_heads, self.c.head_dim)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, h: Tensor, context: Tensor, kv: KVCache, layer: int, ctx_start: int, cos: Tensor, sin: Tensor):
+        """h [B, H] block rows; context [S, H] new context rows at ctx_start..; block follows them."""
+        S, B = context.shape[0], h.shape[0]
+        block_start = ctx_start + S
+        q = self.q_norm(self.q_proj(h).view(B, self.c.num_heads, self.c.head_dim))
+        q = apply_rope(q, cos[block_start : block_start + B], sin[block_start : block_start + B])
+        if S:
+            k_ctx, v_ctx = self.keys_values(context, cos[ctx_start:block_start], sin[ctx_start:block_start])
+            kv.write(layer, ctx_start, k_ctx, v_ctx)
+        k_blk, v_blk = self.keys_values(h, cos[block_start : block_start + B], sin[block_start : block_start + B])
+        keys, values = kv.write(layer, block_start, k_blk, v_blk)  # context + block, no mask
+        out = grouped_query_attention(q.to(keys.dtype), keys, values, None)
+        return self.o_proj(out.reshape(B, -1).to(h.dtype))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(c)
+        self.mlp = DraftMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.config = c
+        self.fc = Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def project_context(self, target_hidden: Tensor) -> Tensor:
+        """[S, K*H] concatenated target layers -> [S, H] context features."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+
+    def forward(
+        self,
+        context: Tensor,  # [S, H] projected context rows, not yet in kv
+        block_embeddings: Tensor,  # [B, H]
+        kv: KVCache,
+        cos: Tensor,
+        sin: Tensor,
+    ) -> Tensor:
+        """Returns the final-normed block outputs [B, H]; kv keeps the new context rows only."""
+        ctx_start = kv.length
+        x = block_embeddings.to(self.dtype)
+        for index, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, context, kv, index, ctx_start, cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        kv.length = ctx_start + context.shape[0]
+        return self.norm(x)
+
+
+class DFlashDrafter:
+    """Engine-level drafter: mirrors the target's committed tokens with projected context K/V."""
+
+    name = "dflash"
+
+    def __init__(self, draft: DFlashDraftModel, target, max_ctx: int):
+        c = draft.config
+        if c.hidden_size != target.args.hidden_size:
+            raise DraftLoadError(
+                f"draft hidden_size {c.hidden_size} differs from the target's {target.args.hidden_size}"
+            )
+        if max(c.target_layer_ids) >= target.args.num_layers:
+            raise DraftLoadError(
+                f"target_layer_ids {list(c.target_layer_ids)} exceed the target's {target.args.num_layers} layers"
+            )
+        if not 0 <= c.mask_token_id < target.args.vocab_size:
+            raise DraftLoadError(f"mask_token_id {c.mask_token_id} is outside the target vocabulary")
+        self.draft = draft
+        self.target = target
+        self.capture_layers = tuple(c.target_layer_ids)
+        kv_dtype = torch.float32 if draft.fc.weight.device.type == "cpu" else draft.dtype
+        self.kv = KVCache(c.num_layers, c.num_kv_heads, max_ctx + c.block_size, c.head_dim, kv_dtype, draft.fc.weight.device)
+        cos, sin = rope_tables(draft.inv_freq.float(), max_ctx + c.block_size, 1.0, draft.dtype, draft.fc.weight.device)
+        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # Captured target rows not yet projected into the draft cache: positions kv.length.. onwards.
+        self.pending: list[Tensor] = []
+        self.pending_rows = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.draft.config.block_size
+
+    def observe(self, start: int, hidden: list[Tensor]) -> None:
+        if start < self.kv.length + self.pending_rows:
+            self.crop(start)
+        if start > self.kv.length + self.pending_rows:
+            return  # rows are missing: propose() declines until a rollback makes the context whole
+        rows = torch.cat(hidden, dim=-1)  # [T, K*H] in target_layer_ids order
+        self.pending.append(rows)
+        self.pending_rows += rows.shape[0]
+
+    def crop(self, length: int) -> None:
+        if length < self.kv.length:
+            self.kv.crop(length)
+            self.pending, self.pending_rows = [], 0
+            return
+        keep = length - self.kv.length
+        if keep < self.pending_rows:
+            rows = torch.cat(self.pending)[:keep] if self.pending else None
+            self.pending = [rows] if rows is not None and keep else []
+            self.pending_rows = keep
+
+    @torch.inference_mode()
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        committed = len(tokens) - 1  # the last token is pending: not yet run through the target
+        if max_tokens <= 0 or self.kv.length + self.pending_rows != committed:
+            return []
+        block = min(self.block_size, max_tokens + 1)
+        context_rows = torch.cat(self.pending) if self.pending else None
+        context = (
+            self.draft.project_context(context_rows)
+            if context_rows is not None
+            else torch.empty(0, self.draft.config.hidden_size, dtype=self.draft.dtype)
+        )
+        self.pending, self.pending_rows = [], 0
+        ids = torch.full((block,), self.draft.config.mask_token_id, dtype=torch.long)
+        ids[0] = tokens[-1]
+        out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
+        # Slot 0 is the known pending token; slots 1.. predict the tokens at their own positions.
+        logits = self.target.lm_head(out[1:].to(self.target.lm_head.weight.dtype))
+        return logits.argmax(dim=-1).tolist()
+
+
+def load_dflash_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        config = DFlashConfig.from_json(json.loads((folder / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DraftLoadError(f"cannot read DFlash config {str(folder / 'config.json')!r}: {exc}") from exc
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DraftLoadError(f"DFlash folder {str(folder)!r} has no *.safetensors file")
+    state: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as exc:
+            raise DraftLoadError(f"corrupt DFlash weights {str(file)!r}: {exc}") from exc
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    expected = dict(model.named_parameters())
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DraftLoadError(
+            f"DFlash checkpoint {str(folder)!r} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise DraftLoadError(
+                f"DFlash tensor {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+    return model.eval()
+
+
+def random_draft_model(config: DFlashConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                nn.init.normal_(param, std=0.02)
+    return model.to(dtype).eval()
+
+
+def save_dflash_checkpoint(model: DFlashDraftModel, folder: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(model.config.to_json(), indent=2))

@@ -1,0 +1,112 @@
+"""The DFlash drafter: z-lab checkpoint layout, incremental context cache, lossless decoding."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.engine.drafters.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    DraftLoadError,
+    build_target_layer_ids,
+    load_dflash_checkpoint,
+    random_draft_model,
+    save_dflash_checkpoint,
+)
+from dflash.engine.generate import Engine
+from dflash.engine.sampling import SamplingParams
+from dflash.engine.speculative import SpeculationConfig
+from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+
+def tiny_config(block_size=4, **overrides):
+    fields = dict(hidden_size=64, intermediate_size=80, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  block_size=block_size, mask_token_id=127, target_layer_ids=(0, 2), num_target_layers=3,
+                  vocab_size=128, rope_theta=10000.0)
+    fields.update(overrides)
+    return DFlashConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ours_from_hf(tiny_hf_model("qwen3"))
+
+
+def test_default_target_layer_ids_follow_the_reference_rule():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(30, 4) == [1, 10, 18, 27]
+    assert build_target_layer_ids(30, 1) == [15]
+
+
+def test_checkpoint_round_trips_in_the_zlab_layout(tmp_path):
+    model = random_draft_model(tiny_config(), seed=3)
+    save_dflash_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["block_size"] == 4 and config["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [0, 2]}
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.0.mlp.gate_proj.weight"} <= names
+    assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
+    loaded = load_dflash_checkpoint(tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_missing_tensor_or_wrong_shape_is_a_clear_error(tmp_path):
+    save_dflash_checkpoint(random_draft_model(tiny_config()), tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["layers.0.self_attn.q_norm.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DraftLoadError, match="missing.*layers.0.self_attn.q_norm.weight"):
+        load_dflash_checkpoint(tmp_path)
+    save_dflash_checkpoint(random_draft_model(tiny_config()), tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["fc.weight"] = torch.zeros(64, 64)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DraftLoadError, match=r"fc.weight.*\(64, 64\).*\(64, 128\)"):
+        load_dflash_checkpoint(tmp_path)
+
+
+def test_mismatched_target_is_refused(target):
+    with pytest.raises(DraftLoadError, match="hidden_size 32"):
+        DFlashDrafter(random_draft_model(tiny_config(hidden_size=32, head_dim=8)), target, 64)
+
+
+def test_incremental_context_equals_one_shot_context(target):
+    """Feeding context in pieces (with a rollback) proposes what one fresh pass proposes."""
+    draft = random_draft_model(tiny_config(block_size=5), seed=1)
+    ids = [5, 9, 33, 2, 7, 100, 4, 61]
+
+    def captured(tokens):
+        kv = target.new_kv_cache(64)
+        _, hidden = target(torch.tensor(tokens), 0, kv, capture_layers=(0, 2))
+        return hidden
+
+    fresh = DFlashDrafter(draft, target, 64)
+    fresh.observe(0, captured(ids))
+    expected = fresh.propose(ids + [11], 4)
+
+    stepwise = DFlashDrafter(draft, target, 64)
+    full = captured(ids + [50, 51])
+    stepwise.observe(0, [h[:3] for h in full])
+    stepwise.propose(ids[:3] + [ids[3]], 4)  # projects the first three rows into its cache
+    stepwise.observe(3, [h[3:] for h in full])  # ... then rows 3..9, of which 8 and 9 get rejected
+    stepwise.crop(8)
+    assert stepwise.propose(ids + [11], 4) == expected
+    assert len(expected) == 4
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_dflash_greedy_equals_plain_greedy(target, block_size):
+    prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90]
+    sampling = SamplingParams(repetition_penalty=1.2)
+    plain = Engine(target, max_ctx=128, prefill_chunk=4).start(prompt, sampling, 20).run()
+    drafter = DFlashDrafter(random_draft_model(tiny_config(block_size=block_size), seed=block_size), target, 128)
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=block_size - 1, adaptive=False)
+    engine = Engine(target, max_ctx=128, prefill_chunk=4, speculation=config, dflash_drafter=drafter)
+    generation = engine.start(prompt, sampling, 20)
+    assert generation.run() == plain
+    assert generation.stats.verification_steps > 0
+    assert generation.stats.draft_tokens >= generation.stats.verification_steps
