@@ -140,11 +140,13 @@ def _yarn_inverse_frequencies(
     return blended.float(), float(mscale)
 
 
-# At or above this many rows, a bf16/fp16 matmul on CPU runs faster as fp32 on upcast weights: without
-# AVX512-BF16/AMX the half-precision GEMM degrades to one GEMV per row (measured on AVX2: 256 rows
-# 124 ms vs 24 ms upcast; the crossover is near 6 rows). Products of half-precision values are exact
-# in fp32, so only the accumulation order differs from the half-precision kernel.
-UPCAST_MIN_ROWS = 6
+# Above this many rows (prefill chunks), a bf16/fp16 matmul on CPU runs faster as fp32 on upcast
+# weights: without AVX512-BF16/AMX the half-precision GEMM degrades to one GEMV per row (measured on
+# AVX2: 256 rows 124 ms vs 24 ms upcast). Up to it (decode and speculative verification) the
+# half-precision kernel stays, because its rows are bitwise independent of how many rows a call has
+# (measured), while fp32 GEMM rows are not; verified drafts must see exactly the logits plain
+# decoding would, so greedy speculation reproduces plain greedy decoding token for token.
+UPCAST_MIN_ROWS = 17
 
 
 class Linear(nn.Linear):
@@ -220,9 +222,19 @@ class Attention(nn.Module):
             q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, H + KV :]
         keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
-        if mask is None and T > 1:
-            mask = causal_mask(T, start, x.device)
-        out = grouped_query_attention(q.to(keys.dtype), keys, values, mask)  # [T, H, D]
+        q = q.to(keys.dtype)
+        if T == 1 or mask is not None or T >= UPCAST_MIN_ROWS:
+            if mask is None and T > 1:
+                mask = causal_mask(T, start, x.device)
+            out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
+        else:
+            # A verification-sized block: one attention call per row, each exactly the call a plain
+            # decode step makes for that position, so the logits match decoding bit for bit (the
+            # batched, masked kernel splits its softmax differently and can flip near-ties).
+            out = torch.cat([
+                grouped_query_attention(q[i : i + 1], keys[:, : start + i + 1], values[:, : start + i + 1], None)
+                for i in range(T)
+            ])
         return self.wo(out.reshape(T, H * self.head_dim).to(x.dtype))
 
 

@@ -1,0 +1,120 @@
+"""Speculative decoding on the embedded model: plain vs n-gram vs DFlash vs auto, greedy.
+
+For (a) code-editing prompts whose answer repeats the input and (b) ordinary chat questions, prints
+decode tok/s, mean acceptance length τ and the ratio to plain decoding, and checks that every mode's
+output is identical to plain greedy decoding.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py [--draft DIR] [--dtype bfloat16]
+
+Without --draft, DFlash runs a random-weight drafter (it shows the cost of drafting, not its gain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import attrs  # noqa: E402
+import torch  # noqa: E402
+
+from dflash.chat.template import render_prompt  # noqa: E402
+from dflash.engine.drafters.dflash import (  # noqa: E402
+    DFlashConfig,
+    DFlashDrafter,
+    build_target_layer_ids,
+    load_dflash_checkpoint,
+    random_draft_model,
+)
+from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
+from dflash.engine.sampling import SamplingParams  # noqa: E402
+from dflash.engine.speculative import SpeculationConfig  # noqa: E402
+
+CODE = '''def load_users(path):
+    users = []
+    with open(path) as handle:
+        for line in handle:
+            name, email, age = line.strip().split(",")
+            users.append({"name": name, "email": email, "age": int(age)})
+    return users
+
+
+def adults(users):
+    return [user for user in users if user["age"] >= 18]
+'''
+CODE_EDITING = [
+    f"Rename the function `adults` to `grown_ups` and print the whole file again:\n\n{CODE}",
+    f"Add a docstring to each function and show the complete updated code:\n\n{CODE}",
+]
+CHAT = [
+    "What are three good habits for a software engineer?",
+    "Explain what a hash table is in two sentences.",
+]
+
+
+def run(engine, prompt_ids, tokens):
+    generation = engine.start(prompt_ids, SamplingParams(), max_tokens=tokens)
+    generation.run()
+    s = generation.stats
+    return generation.output, len(generation.output) / max(s.decode_ms / 1000, 1e-9), s.acceptance_length
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=EMBEDDED_DEFAULT)
+    parser.add_argument("--draft", help="a DFlash checkpoint folder for the target")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=96)
+    args = parser.parse_args()
+    loaded = load_model(args.model, dtype=args.dtype, max_ctx=2048, threads=args.threads)
+    engine = loaded.engine
+    target = engine.model
+    if args.draft:
+        draft = load_dflash_checkpoint(args.draft, getattr(torch, args.dtype))
+    else:
+        layers = target.args.num_layers
+        draft = random_draft_model(
+            DFlashConfig(hidden_size=target.args.hidden_size, intermediate_size=2 * target.args.hidden_size,
+                         num_layers=1, num_heads=target.args.num_heads, num_kv_heads=target.args.num_kv_heads,
+                         head_dim=target.args.head_dim, block_size=8, mask_token_id=0,
+                         target_layer_ids=tuple(build_target_layer_ids(layers, 2)), num_target_layers=layers,
+                         vocab_size=target.args.vocab_size),
+            dtype=getattr(torch, args.dtype),
+        )
+    drafter = DFlashDrafter(draft, target, 2048)
+    block = draft.config.block_size - 1
+    modes = {
+        "plain": (SpeculationConfig(), None),
+        "ngram": (SpeculationConfig(drafter="ngram", max_draft_tokens=8), None),
+        "dflash": (SpeculationConfig(drafter="dflash", max_draft_tokens=block), drafter),
+        "auto": (SpeculationConfig(drafter="auto", max_draft_tokens=block), drafter),
+    }
+    print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads} tokens={args.tokens} "
+          f"draft={'random weights' if not args.draft else args.draft}")
+    print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
+    print("|---|---|---|---|---|---|")
+    for label, prompts in (("(a) code editing", CODE_EDITING), ("(b) chat", CHAT)):
+        ids = [render_prompt(loaded.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+        baseline_rate, baseline_out = None, None
+        for mode, (config, mode_drafter) in modes.items():
+            engine.speculation, engine.dflash_drafter = config, mode_drafter
+            engine.rollback(0)
+            results = []
+            for prompt_ids in ids:
+                engine.rollback(0)
+                results.append(run(engine, prompt_ids, args.tokens))
+            outputs = [r[0] for r in results]
+            rate = statistics.mean(r[1] for r in results)
+            tau = statistics.mean(r[2] for r in results)
+            if baseline_rate is None:
+                baseline_rate, baseline_out = rate, outputs
+            same = "yes" if outputs == baseline_out else "NO"
+            print(f"| {label} | {mode} | {rate:.1f} | {tau:.2f} | {rate / baseline_rate:.2f}x | {same} |")
+    engine.speculation, engine.dflash_drafter = attrs.evolve(SpeculationConfig()), None
+
+
+if __name__ == "__main__":
+    main()
