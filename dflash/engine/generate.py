@@ -109,11 +109,15 @@ class Engine:
         self.committed.extend(tokens)
         return logits
 
-    def rollback(self, length: int) -> None:
+    def rollback(self, length: int) -> int:
+        """Keep the first `length` committed tokens; returns how many the KV state really kept
+        (the transformers backend may have to start over when a sliding window lost the states)."""
         self.kv.crop(length)
-        del self.committed[length:]
+        kept = self.kv.length
+        del self.committed[kept:]
         if self.dflash_drafter is not None:
-            self.dflash_drafter.crop(length)
+            self.dflash_drafter.crop(kept)
+        return kept
 
     def drafters(self) -> dict[str, object]:
         """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""
@@ -156,7 +160,7 @@ class Generation:
         # Reuse the engine's live KV state for the shared prefix; at least one prompt token is
         # always computed, because its logits give the first generated token.
         reused = min(common_prefix_length(engine.committed, prompt_ids), len(prompt_ids) - 1)
-        engine.rollback(reused)
+        reused = engine.rollback(reused)
         self.position = reused  # next prompt index to prefill
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=reused)
 

@@ -26,18 +26,30 @@ class HFCache:
     """KV state over a transformers DynamicCache: a length, crop, snapshot and restore."""
 
     def __init__(self, config, max_ctx: int):
+        self.config = config
+        self.max_ctx = max_ctx
+        self._reset()
+
+    def _reset(self) -> None:
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=config)
-        self.max_ctx = max_ctx
+        self.cache = DynamicCache(config=self.config)
+        # Sliding-window layers drop old states unless told to keep them until the next crop.
+        self.cache.activate_past_recording()
         self.length = 0
 
     def crop(self, length: int) -> None:
+        """Roll back to `length`; where a sliding-window layer no longer holds the states needed,
+        start over empty (length 0) — the caller reads `length` and recomputes."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop KV length {self.length} to {length}")
-        if length < self.length:
+        if length == self.length:
+            return
+        try:
             self.cache.crop(length - self.length)  # transformers 5 crops by a negative count
-        self.length = length
+            self.length = length
+        except RuntimeError:
+            self._reset()
 
     def snapshot(self, length: int | None = None) -> "HFCache":
         snap = copy.deepcopy(self)
