@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from dflash.engine.drafters.ngram import NgramDrafter
+from dflash.engine.prefix_cache import CacheEntry, PrefixCache
 from dflash.engine.sampling import Sampler, SamplingParams
 from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
 
@@ -67,8 +68,12 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         speculation: SpeculationConfig = SpeculationConfig(),
         dflash_drafter=None,
+        prefix_cache: PrefixCache | None = None,
+        prompt_cache: PrefixCache | None = None,
     ):
         self.model = model
+        self.prefix_cache = prefix_cache or PrefixCache(0, 0)  # message-boundary snapshots
+        self.prompt_cache = prompt_cache or PrefixCache(0, 0)  # exact-prompt snapshots
         self.speculation = speculation
         # The DFlash drafter mirrors the engine's KV: it sees the captured hidden states of every
         # token the target computes and is cropped with it, so its context is always complete.
@@ -90,10 +95,12 @@ class Engine:
         sampling: SamplingParams,
         max_tokens: int,
         stop_token_ids: Sequence[Sequence[int]] = (),
+        snapshot_at: Sequence[int] = (),
     ) -> "Generation":
+        """`snapshot_at`: prompt positions (message boundaries) to keep in the prefix cache."""
         if self._live is not None:
             self._live.close()
-        generation = Generation(self, list(prompt_ids), sampling, max_tokens, stop_token_ids)
+        generation = Generation(self, list(prompt_ids), sampling, max_tokens, stop_token_ids, snapshot_at)
         self._live = generation
         return generation
 
@@ -119,6 +126,37 @@ class Engine:
             self.dflash_drafter.crop(kept)
         return kept
 
+    def resume(self, prompt: Sequence[int]) -> int:
+        """Make the KV state hold the longest available prefix of `prompt` (keeping at least one
+        token to compute): the live state's common prefix or a cached snapshot, whichever is deeper.
+        Returns how many prompt tokens it holds."""
+        live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1)
+        candidates = [self.prefix_cache.lookup(prompt), self.prompt_cache.lookup(prompt)]
+        entry = max((c for c in candidates if c is not None), key=lambda c: len(c.tokens), default=None)
+        if entry is None or len(entry.tokens) <= live:
+            return self.rollback(live)
+        return self._restore(entry)
+
+    def _restore(self, entry: CacheEntry) -> int:
+        common = common_prefix_length(self.committed, entry.tokens)
+        self.kv.restore(entry.snapshot)
+        self.committed = list(entry.tokens)
+        if self.dflash_drafter is not None:
+            if entry.draft_rows is not None:
+                self.dflash_drafter.restore(entry.draft_rows, common)
+            else:
+                self.dflash_drafter.crop(common)
+        return len(entry.tokens)
+
+    def snapshot(self, cache: PrefixCache) -> None:
+        """Store the committed state in `cache` (a right-sized copy)."""
+        if not cache.enabled or self.committed in cache:
+            return
+        rows = self.dflash_drafter.context_rows() if self.dflash_drafter is not None else None
+        if rows is not None and rows.shape[0] != len(self.committed):
+            rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
+        cache.store(self.committed, self.kv.snapshot(), rows)
+
     def drafters(self) -> dict[str, object]:
         """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""
         mode = self.speculation.drafter
@@ -138,6 +176,7 @@ class Generation:
         sampling: SamplingParams,
         max_tokens: int,
         stop_token_ids: Sequence[Sequence[int]],
+        snapshot_at: Sequence[int] = (),
     ):
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -157,11 +196,17 @@ class Generation:
         self.finished: FinishReason | None = None
         self.closed = False
         self.speculation = SpeculationPolicy(engine.speculation, engine.drafters())
-        # Reuse the engine's live KV state for the shared prefix; at least one prompt token is
-        # always computed, because its logits give the first generated token.
-        reused = min(common_prefix_length(engine.committed, prompt_ids), len(prompt_ids) - 1)
-        reused = engine.rollback(reused)
+        # Reuse the live KV state or a cached snapshot for the shared prefix; at least one prompt
+        # token is always computed, because its logits give the first generated token.
+        reused = engine.resume(prompt_ids)
         self.position = reused  # next prompt index to prefill
+        # Where prefill pauses to snapshot: message boundaries, then the prompt minus its last token
+        # (an identical request restores that and computes one token).
+        self.boundaries: list[int] = []
+        if engine.prefix_cache.enabled:
+            self.boundaries = sorted(p for p in set(snapshot_at) if reused < p < len(prompt_ids) - 1)
+        exact = len(prompt_ids) - 1
+        self.exact_prompt_boundary = exact if engine.prompt_cache.enabled and exact > reused else None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=reused)
 
     @property
@@ -181,10 +226,17 @@ class Generation:
         return out
 
     def _prefill_chunk(self) -> StepOutput:
-        chunk = self.prompt_ids[self.position : self.position + self.engine.prefill_chunk]
+        end = self.position + self.engine.prefill_chunk
+        pauses = self.boundaries + ([self.exact_prompt_boundary] if self.exact_prompt_boundary else [])
+        end = min([end] + [p for p in pauses if p > self.position])
+        chunk = self.prompt_ids[self.position : end]
         self.position += len(chunk)
         self.stats.prefilled_tokens += len(chunk)
         logits = self.engine.forward(chunk)
+        if self.position in self.boundaries:
+            self.engine.snapshot(self.engine.prefix_cache)
+        elif self.position == self.exact_prompt_boundary:
+            self.engine.snapshot(self.engine.prompt_cache)
         if self.prefilling:
             return StepOutput([], None, "prefill")
         emitted = self._emit(self.sampler.sample(logits[-1], self.output))

@@ -24,8 +24,20 @@ class KVSnapshot:
 
 
 class KVCache:
-    def __init__(self, layers: int, kv_heads: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        max_ctx: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        snapshot_dtype: torch.dtype | None = None,
+    ):
         shape = (layers, kv_heads, max_ctx, head_dim)
+        # Snapshots may be stored narrower than the cache: a bf16 model's keys and values are exact
+        # in bf16 even when attention keeps them in fp32, so storing them as bf16 halves the memory.
+        self.snapshot_dtype = snapshot_dtype or dtype
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_ctx = max_ctx
@@ -45,7 +57,8 @@ class KVCache:
 
     def snapshot(self, length: int | None = None) -> KVSnapshot:
         n = self.length if length is None else length
-        return KVSnapshot(self.keys[:, :, :n].clone(), self.values[:, :, :n].clone(), n)
+        narrow = self.snapshot_dtype
+        return KVSnapshot(self.keys[:, :, :n].to(narrow, copy=True), self.values[:, :, :n].to(narrow, copy=True), n)
 
     def restore(self, snap: KVSnapshot) -> None:
         n = snap.length

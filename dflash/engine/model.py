@@ -313,7 +313,7 @@ class Transformer(nn.Module):
 
     def new_kv_cache(self, max_ctx: int) -> KVCache:
         a = self.args
-        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.kv_dtype, self.device)
+        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.kv_dtype, self.device, self.dtype)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -110,3 +110,20 @@ def test_dflash_greedy_equals_plain_greedy(target, block_size):
     assert generation.run() == plain
     assert generation.stats.verification_steps > 0
     assert generation.stats.draft_tokens >= generation.stats.verification_steps
+
+
+def test_drafter_context_is_restored_with_a_prefix_cache_hit(target):
+    from dflash.engine.prefix_cache import PrefixCache
+
+    prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90]
+    plain = Engine(target, max_ctx=128).start(prompt + [3, 3], SamplingParams(), 12).run()
+    drafter = DFlashDrafter(random_draft_model(tiny_config(block_size=4), seed=9), target, 128)
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
+    engine = Engine(target, max_ctx=128, speculation=config, dflash_drafter=drafter,
+                    prefix_cache=PrefixCache(4, 1 << 30))
+    engine.start(prompt + [1], SamplingParams(), 4, snapshot_at=[len(prompt)]).run()
+    engine.start([7, 7, 7, 7], SamplingParams(), 4).run()  # the live state moves elsewhere
+    generation = engine.start(prompt + [3, 3], SamplingParams(), 12)
+    assert generation.stats.cached_tokens == len(prompt)
+    assert generation.run() == plain
+    assert generation.stats.draft_tokens > 0  # the drafter had its context back at once

@@ -82,3 +82,36 @@ def test_max_tokens_is_clamped_to_the_room_left_in_the_context():
     engine = make_engine()
     generation = engine.start(list(range(1, 61)), SamplingParams(), max_tokens=100)
     assert len(generation.run()) == 4 and generation.finished == "length"
+
+
+def test_prefix_cache_restores_the_deepest_boundary_and_outputs_stay_the_same():
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    engine.prefix_cache = PrefixCache(slots=4, budget_bytes=1 << 30)
+    engine.prompt_cache = PrefixCache(slots=2, budget_bytes=1 << 30)
+    conversation = PROMPT + [44, 45, 46, 47]
+    first = engine.start(conversation, SamplingParams(), max_tokens=3, snapshot_at=[5, 11])
+    first.run()
+    assert len(engine.prefix_cache) == 2 and len(engine.prompt_cache) == 1
+    engine.rollback(0)  # forget the live state: only snapshots can help now
+    other = engine.start(PROMPT[:11] + [9, 9, 9], SamplingParams(), max_tokens=4)
+    out = other.run()
+    assert other.stats.cached_tokens == 11 and other.stats.prefilled_tokens == 3
+    assert out == reference_greedy(engine, PROMPT[:11] + [9, 9, 9], 4)
+    engine.rollback(0)
+    same = engine.start(conversation, SamplingParams(), max_tokens=3)
+    assert same.run() == first.output
+    assert same.stats.cached_tokens == len(conversation) - 1 and same.stats.prefilled_tokens == 1
+
+
+def test_prefix_cache_respects_its_slot_count_and_memory_budget():
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    per_token = engine.kv.snapshot(1).nbytes
+    engine.prefix_cache = PrefixCache(slots=3, budget_bytes=per_token * 20)
+    for offset in range(6):
+        prompt = [offset + 1] * 12
+        engine.start(prompt, SamplingParams(), max_tokens=1, snapshot_at=[4, 8]).run()
+        assert len(engine.prefix_cache) <= 3 and engine.prefix_cache.nbytes <= per_token * 20

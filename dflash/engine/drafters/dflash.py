@@ -196,7 +196,8 @@ class DFlashDraftModel(nn.Module):
 
 
 class DFlashDrafter:
-    """Engine-level drafter: mirrors the target's committed tokens with projected context K/V."""
+    """Engine-level drafter: mirrors the target's committed tokens with their captured hidden rows
+    and the projected context K/V of those rows."""
 
     name = "dflash"
 
@@ -215,52 +216,50 @@ class DFlashDrafter:
         self.draft = draft
         self.target = target
         self.capture_layers = tuple(c.target_layer_ids)
-        kv_dtype = torch.float32 if draft.fc.weight.device.type == "cpu" else draft.dtype
-        self.kv = KVCache(c.num_layers, c.num_kv_heads, max_ctx + c.block_size, c.head_dim, kv_dtype, draft.fc.weight.device)
-        cos, sin = rope_tables(draft.inv_freq.float(), max_ctx + c.block_size, 1.0, draft.dtype, draft.fc.weight.device)
+        device = draft.fc.weight.device
+        kv_dtype = torch.float32 if device.type == "cpu" else draft.dtype
+        self.kv = KVCache(c.num_layers, c.num_kv_heads, max_ctx + c.block_size, c.head_dim, kv_dtype, device)
+        cos, sin = rope_tables(draft.inv_freq.float(), max_ctx + c.block_size, 1.0, draft.dtype, device)
         self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        # Captured target rows not yet projected into the draft cache: positions kv.length.. onwards.
-        self.pending: list[Tensor] = []
-        self.pending_rows = 0
+        # Captured target rows [position, K*H] of every committed token; rows kv.length..length are
+        # not yet projected into the draft cache (that happens lazily, at the next proposal).
+        self.rows = torch.zeros(max_ctx, len(c.target_layer_ids) * c.hidden_size, dtype=draft.dtype, device=device)
+        self.length = 0
 
     @property
     def block_size(self) -> int:
         return self.draft.config.block_size
 
     def observe(self, start: int, hidden: list[Tensor]) -> None:
-        if start < self.kv.length + self.pending_rows:
-            self.crop(start)
-        if start > self.kv.length + self.pending_rows:
+        if start > self.length:
             return  # rows are missing: propose() declines until a rollback makes the context whole
         rows = torch.cat(hidden, dim=-1)  # [T, K*H] in target_layer_ids order
-        self.pending.append(rows)
-        self.pending_rows += rows.shape[0]
+        self.crop(start)
+        self.rows[start : start + rows.shape[0]] = rows
+        self.length = start + rows.shape[0]
 
     def crop(self, length: int) -> None:
-        if length < self.kv.length:
-            self.kv.crop(length)
-            self.pending, self.pending_rows = [], 0
-            return
-        keep = length - self.kv.length
-        if keep < self.pending_rows:
-            rows = torch.cat(self.pending)[:keep] if self.pending else None
-            self.pending = [rows] if rows is not None and keep else []
-            self.pending_rows = keep
+        self.length = min(self.length, length)
+        self.kv.crop(min(self.kv.length, self.length))
+
+    def context_rows(self) -> Tensor:
+        """A copy of the captured rows of the committed tokens (for a prefix-cache snapshot)."""
+        return self.rows[: self.length].clone()
+
+    def restore(self, rows: Tensor, common: int) -> None:
+        """Adopt the committed rows of a restored snapshot; the first `common` rows are unchanged."""
+        self.crop(common)
+        self.rows[common : rows.shape[0]] = rows[common:]
+        self.length = rows.shape[0]
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
         committed = len(tokens) - 1  # the last token is pending: not yet run through the target
-        if max_tokens <= 0 or self.kv.length + self.pending_rows != committed:
+        if max_tokens <= 0 or self.length != committed:
             return []
         block = min(self.block_size, max_tokens + 1)
-        context_rows = torch.cat(self.pending) if self.pending else None
-        context = (
-            self.draft.project_context(context_rows)
-            if context_rows is not None
-            else torch.empty(0, self.draft.config.hidden_size, dtype=self.draft.dtype)
-        )
-        self.pending, self.pending_rows = [], 0
-        ids = torch.full((block,), self.draft.config.mask_token_id, dtype=torch.long)
+        context = self.draft.project_context(self.rows[self.kv.length : self.length])
+        ids = torch.full((block,), self.draft.config.mask_token_id, dtype=torch.long, device=self.rows.device)
         ids[0] = tokens[-1]
         out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
         # Slot 0 is the known pending token; slots 1.. predict the tokens at their own positions.
