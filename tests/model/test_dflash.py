@@ -121,7 +121,7 @@ def test_drafter_context_is_restored_with_a_prefix_cache_hit(target):
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
     engine = Engine(target, max_ctx=128, speculation=config, dflash_drafter=drafter,
                     prefix_cache=PrefixCache(4, 1 << 30))
-    engine.start(prompt + [1], SamplingParams(), 4, snapshot_at=[len(prompt)]).run()
+    engine.start(prompt + [1, 2], SamplingParams(), 4, snapshot_at=[len(prompt)]).run()
     engine.start([7, 7, 7, 7], SamplingParams(), 4).run()  # the live state moves elsewhere
     generation = engine.start(prompt + [3, 3], SamplingParams(), 12)
     assert generation.stats.cached_tokens == len(prompt)
