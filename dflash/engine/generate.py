@@ -72,8 +72,9 @@ class Engine:
         prompt_cache: PrefixCache | None = None,
     ):
         self.model = model
-        self.prefix_cache = prefix_cache or PrefixCache(0, 0)  # message-boundary snapshots
-        self.prompt_cache = prompt_cache or PrefixCache(0, 0)  # exact-prompt snapshots
+        # (`is None`, not `or`: an empty cache has len() 0 and is falsy)
+        self.prefix_cache = PrefixCache(0, 0) if prefix_cache is None else prefix_cache  # message boundaries
+        self.prompt_cache = PrefixCache(0, 0) if prompt_cache is None else prompt_cache  # exact prompts
         self.speculation = speculation
         # The DFlash drafter mirrors the engine's KV: it sees the captured hidden states of every
         # token the target computes and is cropped with it, so its context is always complete.
