@@ -1,0 +1,122 @@
+"""One trio nursery: the engine scheduler and the HTTP server; signals; graceful drain.
+
+Shutdown (SIGINT/SIGTERM or `App.shutdown`): stop accepting, answer queued jobs with 503, let
+the running job finish within `shutdown_grace_s` (then stop it at its next step), give the
+handlers a moment to write their last bytes, and return so the process exits 0. A second signal
+skips the wait.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+from dflash import __version__
+from dflash.api import API, ModelText, error_response
+from dflash.config import Config, ModelConfig
+from dflash.http.server import HTTPServer, Limits
+from dflash.logs import config_summary, get_logger
+from dflash.scheduler import EngineWorker, Scheduler
+
+# After the running job is done or stopped, how long its handler may take to write the end.
+LAST_WRITES_S = 2.0
+
+log = get_logger("dflash.app")
+
+# ModelConfig -> (engine, its text side). Runs in the engine thread.
+ModelLoader = Callable[[ModelConfig], tuple[Any, ModelText]]
+
+
+def load_served_model(config: ModelConfig) -> tuple[Any, ModelText]:
+    # Imported here, not at the top: they pull in transformers and the model code, which a server
+    # on a fake engine (unit tests, bench --fake) never needs.
+    from dflash.chat.detokenize import IncrementalDetokenizer
+    from dflash.chat.template import render_prompt
+    from dflash.engine.loading import load_model as load_engine_model
+
+    loaded = load_engine_model(config.source, dtype=config.dtype, max_ctx=config.max_ctx, threads=config.threads,
+                               prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir))
+    text = ModelText(
+        model_id=loaded.model_id,
+        max_ctx=loaded.max_ctx,
+        render_prompt=partial(render_prompt, loaded.tokenizer),
+        new_detokenizer=partial(IncrementalDetokenizer, loaded.tokenizer),
+        aliases=config.aliases,
+    )
+    return loaded.engine, text
+
+
+def limits_of(config: Config) -> Limits:
+    server = config.server
+    return Limits(max_header_bytes=server.max_header_bytes, max_body_bytes=server.max_body_bytes,
+                  header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
+                  idle_timeout_s=server.idle_timeout_s)
+
+
+@attrs.define(eq=False)
+class App:
+    """A running server: where it listens, and how to stop it."""
+
+    config: Config
+    port: int
+    scheduler: Scheduler
+    http: HTTPServer
+    _shutdown_requested: trio.Event = attrs.field(factory=trio.Event)
+    _drain_waits: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+    def shutdown(self) -> None:
+        """Begin the graceful drain; a second call skips its waits."""
+        if self._shutdown_requested.is_set():
+            self._drain_waits.cancel()
+        self._shutdown_requested.set()
+
+    async def _drain(self) -> None:
+        log.info("shutting_down", running=self.scheduler.state == "busy", queued=self.scheduler.queue_depth)
+        self.http.stop_accepting()
+        self.scheduler.close()
+        with self._drain_waits:
+            with trio.move_on_after(self.config.server.shutdown_grace_s):
+                await self.scheduler.wait_idle()
+            self.scheduler.cancel_running()
+            with trio.move_on_after(LAST_WRITES_S):
+                await self.http.wait_no_requests()
+
+
+async def serve(config: Config, *, loader: ModelLoader = load_served_model, handle_signals: bool = True,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Load the model, listen, serve until shutdown. `task_status.started` gets the App."""
+    with EngineWorker() as worker:
+        engine, model = await worker.call(loader, config.model)
+        scheduler = Scheduler(engine, worker, queue_max=config.server.queue_max)
+        router = API(model, scheduler, config).router()
+        http = HTTPServer(router, limits_of(config), common_headers=router.common_headers,
+                          error_response=error_response)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scheduler.run)
+            listeners = await trio.open_tcp_listeners(config.server.port, host=config.server.host)
+            await nursery.start(http.serve, listeners)
+            port = listeners[0].socket.getsockname()[1]
+            app = App(config=config, port=port, scheduler=scheduler, http=http)
+            if handle_signals:
+                nursery.start_soon(_shutdown_on_signals, app)
+            log.info("started", version=__version__, model=model.model_id, source=config.model.source,
+                     dtype=config.model.dtype, listening=f"http://{config.server.host}:{port}",
+                     config=config_summary(config))
+            task_status.started(app)
+            await app._shutdown_requested.wait()
+            await app._drain()
+            nursery.cancel_scope.cancel()
+    log.info("stopped")
+
+
+async def _shutdown_on_signals(app: App) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("signal", signal=signal.Signals(signum).name)
+            app.shutdown()

@@ -1,0 +1,207 @@
+"""The configuration tree, read from TOML with tomllib and structured into attrs classes by cattrs.
+
+Every problem stops start-up with one line that names the key path, the value and what was
+expected (`server.port: expected an integer from 0 to 65535, got 70000`). Types are checked
+strictly: TOML already has types, so `port = "8000"` or `keepalive_s = true` is a mistake to
+report, not a value to coerce.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.errors import AttributeValidationNote, ForbiddenExtraKeysError
+
+MiB = 1024 * 1024
+
+
+class ConfigError(Exception):
+    """A configuration problem, already worded as the one line the operator sees."""
+
+
+class _Invalid(Exception):
+    """A leaf value that is wrong; the loader adds the key path it was found at."""
+
+    def __init__(self, value: Any, expected: str, *, key: str | None = None):
+        super().__init__(f"expected {expected}, got {value!r}")
+        self.value = value
+        self.expected = expected
+        # Set by attrs validators, which run after cattrs has left the attribute's own scope.
+        self.key = key
+
+
+def _number_range(kind: str, low: float, high: float | None = None, *, low_inclusive: bool = True):
+    """An attrs validator for `low <= value [<= high]` (or `low < value`) that words its own error."""
+
+    def check(instance, attribute, value):
+        too_low = value < low if low_inclusive else value <= low
+        too_high = high is not None and value > high
+        if too_low or too_high:
+            if high is not None:
+                expected = f"{kind} from {low:g} to {high:g}"
+            else:
+                expected = f"{kind} {'>=' if low_inclusive else '>'} {low:g}"
+            raise _Invalid(value, expected, key=attribute.name)
+
+    return check
+
+
+def _one_of(*choices: str):
+    def check(instance, attribute, value):
+        if value not in choices:
+            raise _Invalid(value, "one of " + ", ".join(repr(c) for c in choices), key=attribute.name)
+
+    return check
+
+
+def _ints(low: int, high: int | None = None):
+    return _number_range("an integer", low, high)
+
+
+def _seconds(low: float = 0.0):
+    return _number_range("a number of seconds", low, low_inclusive=False)
+
+
+@attrs.frozen
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=_ints(0, 65535))
+    api_keys: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ("*",)
+    max_header_bytes: int = attrs.field(default=64 * 1024, validator=_ints(1024))
+    max_body_bytes: int = attrs.field(default=32 * MiB, validator=_ints(1))
+    header_timeout_s: float = attrs.field(default=30.0, validator=_seconds())
+    body_timeout_s: float = attrs.field(default=60.0, validator=_seconds())
+    idle_timeout_s: float = attrs.field(default=60.0, validator=_seconds())
+    keepalive_s: float = attrs.field(default=15.0, validator=_seconds())
+    queue_max: int = attrs.field(default=32, validator=_ints(0))
+    shutdown_grace_s: float = attrs.field(default=30.0, validator=_number_range("a number of seconds", 0.0))
+
+
+@attrs.frozen
+class ModelConfig:
+    source: str = "embedded:smollm2-135m-instruct"
+    dtype: str = attrs.field(default="bfloat16", validator=_one_of("bfloat16", "float32"))
+    max_ctx: int = attrs.field(default=8192, validator=_ints(16))
+    threads: int = attrs.field(default=1, validator=_ints(1))
+    prefill_chunk: int = attrs.field(default=256, validator=_ints(1))
+    cache_dir: str = "~/.cache/dflash"
+    aliases: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class LoggingConfig:
+    level: str = attrs.field(default="info", validator=_one_of("debug", "info", "warning", "error"))
+    format: str = attrs.field(default="json", validator=_one_of("json", "console"))
+    log_text: bool = False
+
+
+@attrs.frozen
+class Config:
+    server: ServerConfig = attrs.Factory(ServerConfig)
+    model: ModelConfig = attrs.Factory(ModelConfig)
+    logging: LoggingConfig = attrs.Factory(LoggingConfig)
+
+
+def _strict(expected_type: type, expected: str):
+    # `type(value) is int` rather than isinstance: TOML booleans are Python bools, and
+    # `port = true` must not pass as 1.
+    def structure(value, _type):
+        if type(value) is not expected_type:
+            raise _Invalid(value, expected)
+        return value
+
+    return structure
+
+
+def _structure_float(value, _type) -> float:
+    if type(value) not in (int, float):
+        raise _Invalid(value, "a number")
+    return float(value)
+
+
+def _structure_strings(value, _type) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(type(item) is str for item in value):
+        raise _Invalid(value, "a list of strings")
+    return tuple(value)
+
+
+def _converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    converter.register_structure_hook(int, _strict(int, "an integer"))
+    converter.register_structure_hook(str, _strict(str, "a string"))
+    converter.register_structure_hook(bool, _strict(bool, "true or false"))
+    converter.register_structure_hook(float, _structure_float)
+    converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _structure_strings)
+    return converter
+
+
+_CONVERTER = _converter()
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Structure an already-parsed TOML document; raises ConfigError naming the first bad key."""
+    for section, value in raw.items():
+        if section in attrs.fields_dict(Config) and not isinstance(value, dict):
+            raise ConfigError(f"{section}: expected a table ([{section}]), got {value!r}")
+    try:
+        return _CONVERTER.structure(raw, Config)
+    except Exception as exc:
+        raise ConfigError(_describe(exc, (), raw)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    try:
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def with_overrides(config: Config, *, host: str | None = None, port: int | None = None,
+                   model: str | None = None) -> Config:
+    """Apply command-line flags on top of the file; they go through the same validators."""
+    server_changes = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    try:
+        server = attrs.evolve(config.server, **server_changes)
+    except _Invalid as exc:
+        raise ConfigError(f"--port (server.port): {exc}") from None
+    model_config = config.model if model is None else attrs.evolve(config.model, source=model)
+    return attrs.evolve(config, server=server, model=model_config)
+
+
+def _describe(exc: BaseException, path: tuple[str, ...], raw: Any) -> str:
+    """Walk cattrs' exception tree down to the first leaf and word it as one line."""
+    names = [note.name for note in getattr(exc, "__notes__", ()) if isinstance(note, AttributeValidationNote)]
+    path = path + tuple(names)
+    key = ".".join(path) or "config"
+    if isinstance(exc, ForbiddenExtraKeysError):
+        unknown = sorted(exc.extra_fields)[0]
+        known = ", ".join(field.name for field in attrs.fields(exc.cl))
+        value = _lookup(raw, path + (unknown,))
+        return f"{'.'.join(path + (unknown,))}: unknown key (value {value!r}); expected one of: {known}"
+    if isinstance(exc, BaseExceptionGroup):
+        return _describe(exc.exceptions[0], path, raw)
+    if isinstance(exc, _Invalid):
+        return f"{'.'.join(path + (exc.key,)) if exc.key else key}: {exc}"
+    return f"{key}: invalid value {_lookup(raw, path)!r}: {exc}"
+
+
+def _lookup(raw: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        if not isinstance(raw, dict):
+            return None
+        raw = raw.get(name)
+    return raw

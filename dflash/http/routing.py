@@ -1,0 +1,116 @@
+"""Method + path -> handler, CORS on every response, and API-key auth. Generic: no LLM knowledge.
+
+The query string never takes part in routing: `/v1/messages?beta=true` (Claude Code) is
+`/v1/messages`, and `/v1/models?client_version=…` (Codex) is `/v1/models`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Collection, Mapping, Sequence
+
+import attrs
+
+from dflash.http.server import ErrorResponder, Handler, Request, Response, ResponseWriter
+from dflash.logs import get_logger
+
+log = get_logger("dflash.http")
+
+
+@attrs.frozen
+class CORSPolicy:
+    """`("*",)` allows every origin; otherwise the request's Origin is echoed when listed."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+
+    def headers(self, request: Request | None) -> list[tuple[str, str]]:
+        if not self.allowed_origins:
+            return []
+        if "*" in self.allowed_origins:
+            return [("access-control-allow-origin", "*")]
+        origin = request.header("origin") if request else None
+        if origin in self.allowed_origins:
+            return [("access-control-allow-origin", origin), ("vary", "Origin")]
+        return [("vary", "Origin")]
+
+    def preflight(self, request: Request) -> Response:
+        # Echo the requested headers: a bare `*` does not cover Authorization in browsers.
+        requested = request.header("access-control-request-headers") or "*"
+        return Response(204, headers=(
+            ("access-control-allow-methods", "GET, HEAD, POST, OPTIONS"),
+            ("access-control-allow-headers", requested),
+            ("access-control-max-age", "600"),
+        ))
+
+
+class APIKeys:
+    """Accepts `Authorization: Bearer KEY` or `x-api-key: KEY` (Claude Code sends the latter)."""
+
+    def __init__(self, keys: Sequence[str]):
+        self._keys = [key.encode() for key in keys]
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def accepts(self, request: Request) -> bool:
+        offered = request.header("x-api-key")
+        authorization = request.header("authorization") or ""
+        scheme, _, credentials = authorization.partition(" ")
+        if scheme.lower() == "bearer":
+            offered = credentials.strip()
+        if offered is None:
+            return False
+        offered_bytes = offered.encode()
+        # Compare against every key, without stopping at a match, so timing says nothing.
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(offered_bytes, key)
+        return matched
+
+
+class Router:
+    def __init__(self, routes: Mapping[tuple[str, str], Handler], *, error_response: ErrorResponder,
+                 api_keys: Sequence[str] = (), cors: CORSPolicy = CORSPolicy(),
+                 open_paths: Collection[str] = ("/health",)):
+        self._routes = dict(routes)
+        self._error_response = error_response
+        self._keys = APIKeys(api_keys)
+        self._cors = cors
+        self._open_paths = frozenset(open_paths)
+
+    def common_headers(self, request: Request | None) -> list[tuple[str, str]]:
+        return self._cors.headers(request)
+
+    async def __call__(self, request: Request, writer: ResponseWriter) -> Response | None:
+        if request.method == "OPTIONS":
+            return self._cors.preflight(request)
+        if self._keys.required and request.path not in self._open_paths and not self._keys.accepts(request):
+            response = self._error_response(request.path, 401, "invalid or missing API key")
+            return attrs.evolve(response, headers=(*response.headers, ("www-authenticate", "Bearer")))
+        handler = self._find(request)
+        if handler is None:
+            return self._not_routed(request)
+        try:
+            return await handler(request, writer)
+        except Exception:
+            if writer.started:
+                raise
+            log.exception("handler_failed", id=request.id, path=request.path)
+            return self._error_response(request.path, 500, "internal server error")
+
+    def _find(self, request: Request) -> Handler | None:
+        handler = self._routes.get((request.method, request.path))
+        if handler is None and request.method == "HEAD":
+            handler = self._routes.get(("GET", request.path))
+        return handler
+
+    def _not_routed(self, request: Request) -> Response:
+        allowed = sorted(method for method, path in self._routes if path == request.path)
+        if not allowed:
+            return self._error_response(request.path, 404, f"unknown endpoint {request.method} {request.path}")
+        if "GET" in allowed:
+            allowed.append("HEAD")
+        response = self._error_response(
+            request.path, 405, f"method {request.method} is not allowed on {request.path}; use {', '.join(allowed)}")
+        return attrs.evolve(response, headers=(*response.headers, ("allow", ", ".join([*allowed, "OPTIONS"]))))

@@ -1,0 +1,91 @@
+"""Server-sent events: framing, the `: keep-alive` ticker, and the peer-close watcher.
+
+Two framings: `data:` lines only (OpenAI Chat Completions) and `event:` + `data:` (Anthropic
+Messages, OpenAI Responses). Both come from `frame`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Protocol
+
+import trio
+
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+SSE_HEADERS = (
+    ("content-type", "text/event-stream; charset=utf-8"),
+    ("cache-control", "no-cache"),
+    # nginx and friends buffer responses unless told not to; a buffered stream defeats keep-alive.
+    ("x-accel-buffering", "no"),
+)
+
+
+class BodyWriter(Protocol):
+    async def start(self, status: int, headers: Sequence[tuple[str, str]] = ()) -> None: ...
+    async def write(self, data: bytes) -> None: ...
+    async def end(self) -> None: ...
+
+
+def frame(data: str, event: str | None = None) -> bytes:
+    """One SSE record. Data with newlines becomes several `data:` lines, which the client rejoins."""
+    lines = [f"event: {event}\n"] if event is not None else []
+    lines += [f"data: {line}\n" for line in data.split("\n")]
+    return ("".join(lines) + "\n").encode()
+
+
+class SSEStream:
+    """An event stream on a started response, with a keep-alive ticker beside it.
+
+    The ticker writes `: keep-alive` whenever nothing has gone out for `keepalive_s`: while the job
+    waits in the queue or sits inside a long prefill no events flow, and proxies and HTTP clients
+    drop a silent connection. It runs on the clock, not on engine progress, because a single
+    prefill chunk can outlast `keepalive_s` and progress callbacks would miss exactly that stall."""
+
+    def __init__(self, writer: BodyWriter, keepalive_s: float):
+        self._writer = writer
+        self._keepalive_s = keepalive_s
+        self._last_write = trio.current_time()
+
+    async def send(self, data: str, event: str | None = None) -> None:
+        await self._write(frame(data, event))
+
+    async def _write(self, payload: bytes) -> None:
+        await self._writer.write(payload)
+        self._last_write = trio.current_time()
+
+    async def keep_alive(self) -> None:
+        while True:
+            await trio.sleep_until(self._last_write + self._keepalive_s)
+            if trio.current_time() >= self._last_write + self._keepalive_s:
+                await self._write(KEEPALIVE_COMMENT)
+
+
+@asynccontextmanager
+async def open_sse_stream(writer: BodyWriter, keepalive_s: float,
+                          headers: Sequence[tuple[str, str]] = ()) -> AsyncIterator[SSEStream]:
+    """Send the SSE headers now (before any token exists) and keep the stream alive until exit."""
+    await writer.start(200, [*SSE_HEADERS, *headers])
+    stream = SSEStream(writer, keepalive_s)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.keep_alive)
+        yield stream
+        nursery.cancel_scope.cancel()
+    await writer.end()
+
+
+class PeerCloseWatcher:
+    """Reads the socket while a request is being answered and cancels the request's scope when the
+    peer closes. Without it a closed client is only noticed on the next write, which never comes
+    for a queued job, a long prefill, or a non-streaming request."""
+
+    def __init__(self, receive_more: Callable[[], Awaitable[bool]], scope: trio.CancelScope):
+        self._receive_more = receive_more
+        self._scope = scope
+        self.peer_closed = False
+
+    async def run(self) -> None:
+        while await self._receive_more():
+            pass
+        self.peer_closed = True
+        self._scope.cancel()

@@ -1,0 +1,295 @@
+"""The only code that touches the engine: FIFO jobs, one at a time, one bounded step at a time.
+
+A handler submits a job and reads its steps. Leaving `with job:` for any reason (finished, stop
+string, peer closed, write stalled, shutdown) cancels it: a queued job leaves the queue, a
+running one stops at its next step boundary, where the scheduler closes the generation so the
+engine is ready for the next job at once. Generation is never left half-closed because `close`
+runs shielded in the same `finally` that ends every job.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from dflash.logs import get_logger
+
+log = get_logger("dflash.scheduler")
+T = TypeVar("T")
+# How long stopping the engine thread may wait for a step still running (after a forced stop).
+JOIN_TIMEOUT_S = 30.0
+
+
+class QueueFull(Exception):
+    def __init__(self, queue_max: int):
+        super().__init__(f"the server is busy: {queue_max} requests are already waiting")
+
+
+class ShuttingDown(Exception):
+    def __init__(self):
+        super().__init__("the server is shutting down")
+
+
+class EngineFailed(Exception):
+    """The engine raised; the job ends, and the generation was closed so the next job can run."""
+
+
+class EngineWorker:
+    """One long-lived OS thread that runs every engine call, from model loading on.
+
+    A dedicated thread rather than `trio.to_thread.run_sync`: trio's thread cache runs each call on
+    whichever idle thread it has, while torch keeps per-thread state (grad and inference mode, the
+    current CUDA stream, OpenMP's thread count) and the KV cache wants a single owner. With one
+    thread for the life of the process all of that stays put."""
+
+    def __init__(self, name: str = "dflash-engine"):
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._stopped = False
+
+    def __enter__(self) -> EngineWorker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        # Calls already queued still run, then the thread ends. Joined: a thread still alive when
+        # the interpreter exits has torch's C++ state torn down under it, and the process aborts
+        # ("terminate called without an active exception") instead of exiting 0.
+        self._stopped = True
+        self._calls.put(None)
+        self._thread.join(timeout=JOIN_TIMEOUT_S)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call()
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the engine thread. Shielded: a step that has begun runs to its end;
+        cancellation takes effect at the step boundary, which is the point of stepping."""
+        if self._stopped:
+            # Queued behind the stop, the call would never run and its shielded wait never end.
+            raise RuntimeError(f"engine worker stopped; cannot run {fn!r}")
+        trio_token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        result: T | None = None
+        error: BaseException | None = None
+
+        def run() -> None:
+            nonlocal result, error
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to the caller, raised in its task
+                error = exc
+            try:
+                trio_token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        self._calls.put(run)
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        if error is not None:
+            raise error
+        return result
+
+
+@attrs.frozen
+class JobStep:
+    tokens: list[int]  # committed in this step; empty for a prefill chunk
+    phase: str  # "prefill" or "decode"
+    finished: str | None  # "stop" or "length" on the last step
+    stats: Any  # the engine's GenerationStats after this step (a copy)
+
+
+class Job:
+    """One request's generation, queued or running. Use as `with scheduler.submit(...) as job:`."""
+
+    def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: Any, max_tokens: int,
+                 request_id: str):
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.request_id = request_id
+        self.queued_at = trio.current_time()
+        self.started_at: float | None = None
+        self.cancelled_at: float | None = None
+        self._scheduler = scheduler
+        self._started = trio.Event()
+        self._failure: Exception | None = None
+        self._ended = False
+        self._send, self._receive = trio.open_memory_channel[JobStep | Exception](math.inf)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancelled_at is not None
+
+    @property
+    def queue_ms(self) -> float:
+        waited_until = self.started_at if self.started_at is not None else trio.current_time()
+        return (waited_until - self.queued_at) * 1000
+
+    def cancel(self) -> None:
+        """Idempotent. A queued job leaves the queue now; a running one stops at its next step."""
+        if self.cancelled_at is None:
+            self.cancelled_at = trio.current_time()
+            self._scheduler._forget(self)
+
+    async def wait_started(self) -> None:
+        """Return once the engine has taken the job; raise if it never will (shutdown)."""
+        await self._started.wait()
+        if self.started_at is None and self._failure is not None:
+            raise self._failure
+
+    async def next_step(self) -> JobStep | None:
+        """The next step, or None after the last one."""
+        try:
+            item = await self._receive.receive()
+        except trio.EndOfChannel:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def _start(self) -> None:
+        self.started_at = trio.current_time()
+        self._started.set()
+
+    def _deliver(self, step: JobStep) -> None:
+        if not self._ended and not self.cancelled:
+            self._send.send_nowait(step)
+
+    def _fail(self, failure: Exception) -> None:
+        if not self._ended:
+            self._failure = failure
+            self._send.send_nowait(failure)
+        self._started.set()
+        self._end()
+
+    def _end(self) -> None:
+        self._ended = True
+        self._send.close()
+
+
+class Scheduler:
+    def __init__(self, engine: Any, worker: EngineWorker, *, queue_max: int):
+        self._engine = engine
+        self._worker = worker
+        self.queue_max = queue_max
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._closed = False
+        self._job_arrived = trio.Event()
+        self._job_ended = trio.Event()
+
+    @property
+    def state(self) -> str:
+        return "busy" if self._running is not None or self._queue else "idle"
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def submit(self, prompt_ids: list[int], sampling: Any, max_tokens: int, *, request_id: str = "") -> Job:
+        """Queue a job; raise QueueFull or ShuttingDown at once rather than make the client wait."""
+        if self._closed:
+            raise ShuttingDown()
+        # queue_max counts jobs waiting behind a running one; when idle, the head of the queue is
+        # about to run and is not waiting.
+        waiting = len(self._queue) - (0 if self._running is not None else 1)
+        if waiting >= self.queue_max:
+            raise QueueFull(self.queue_max)
+        job = Job(self, prompt_ids, sampling, max_tokens, request_id)
+        self._queue.append(job)
+        self._job_arrived.set()
+        return job
+
+    async def run(self) -> None:
+        while True:
+            job = await self._next_job()
+            self._running = job
+            try:
+                await self._run_job(job)
+            finally:
+                self._running = None
+                self._job_ended.set()
+                self._job_ended = trio.Event()
+
+    def close(self) -> None:
+        """Refuse new jobs and answer every queued one with ShuttingDown; the running one goes on."""
+        self._closed = True
+        while self._queue:
+            self._queue.popleft()._fail(ShuttingDown())
+
+    def cancel_running(self) -> None:
+        """Past the shutdown grace: stop the running job at its next step, telling its handler why."""
+        job = self._running
+        if job is not None:
+            job._fail(ShuttingDown())
+            job.cancel()
+
+    async def wait_idle(self) -> None:
+        while self._running is not None:
+            await self._job_ended.wait()
+
+    def _forget(self, job: Job) -> None:
+        if job in self._queue:
+            self._queue.remove(job)
+            job._end()
+            log.info("job_cancelled", request_id=job.request_id, queued=True, stop_ms=0.0)
+
+    async def _next_job(self) -> Job:
+        while not self._queue:
+            self._job_arrived = trio.Event()
+            await self._job_arrived.wait()
+        return self._queue.popleft()
+
+    async def _run_job(self, job: Job) -> None:
+        job._start()
+        try:
+            generation = await self._worker.call(self._engine.start, job.prompt_ids, job.sampling, job.max_tokens)
+        except Exception as exc:
+            log.exception("engine_start_failed", request_id=job.request_id)
+            job._fail(EngineFailed(f"the engine could not start the generation: {exc}"))
+            return
+        finished = False
+        try:
+            while not job.cancelled and not finished:
+                step = await self._worker.call(_take_step, generation)
+                job._deliver(step)
+                finished = step.finished is not None
+        except Exception as exc:
+            log.exception("engine_step_failed", request_id=job.request_id)
+            job._fail(EngineFailed(f"generation failed: {exc}"))
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._worker.call(generation.close)
+                except Exception:
+                    log.exception("engine_close_failed", request_id=job.request_id)
+            job._end()
+            if job.cancelled and not finished:
+                # The number operators (and bench/stress_cancel.py) watch: cancel -> engine ready.
+                log.info("job_cancelled", request_id=job.request_id, queued=False,
+                         stop_ms=round((trio.current_time() - job.cancelled_at) * 1000, 1))
+
+
+def _take_step(generation) -> JobStep:
+    """In the engine thread: one step, and a copy of the stats taken before the next step moves them."""
+    output = generation.step()
+    return JobStep(tokens=list(output.tokens), phase=output.phase, finished=output.finished,
+                   stats=copy.copy(generation.stats))
+

@@ -1,0 +1,201 @@
+"""A fake model for server tests: the engine contract of dflash/engine/generate.py, and a
+byte-level text side (token id = byte value, EOS = 256), with configurable slow steps.
+
+Also a launcher for bench/ and subprocess tests:
+    python -m tests.unit.fakes CONFIG.toml [--prefill-step-ms MS] [--decode-step-ms MS] [--prefill-chunk N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+import threading
+import time
+from functools import partial
+
+import attrs
+
+from dflash.api import ModelText
+from dflash.config import ModelConfig
+
+EOS = 256
+REPLY = "Hello from the fake engine. "
+
+
+@attrs.define
+class FakeStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+
+
+@attrs.define
+class FakeStepOutput:
+    tokens: list[int]
+    finished: str | None
+    phase: str
+
+
+class FakeGeneration:
+    def __init__(self, engine: FakeEngine, prompt_ids: list[int], sampling, max_tokens: int):
+        self._engine = engine
+        self.prompt_ids = list(prompt_ids)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.finished: str | None = None
+        self.stats = FakeStats(prompt_tokens=len(prompt_ids))
+        self.step_starts: list[float] = []  # time.monotonic() at the start of each step
+        self.closed_at: float | None = None
+        self._prefilled = 0
+        self._reply = engine.reply.encode()
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_at is not None
+
+    def steps_started_after(self, moment: float) -> int:
+        return sum(start > moment for start in self.step_starts)
+
+    def step(self) -> FakeStepOutput:
+        if self.finished is not None or self.closed:
+            raise RuntimeError(f"step() on a finished or closed generation (finished={self.finished!r})")
+        self.step_starts.append(time.monotonic())
+        if self._engine.fail_on_step is not None and len(self.step_starts) == self._engine.fail_on_step:
+            raise RuntimeError("fake engine failure")
+        if self._prefilled < len(self.prompt_ids):
+            return self._prefill_chunk()
+        return self._decode_one()
+
+    def _prefill_chunk(self) -> FakeStepOutput:
+        began = time.monotonic()
+        time.sleep(self._engine.prefill_step_s)
+        chunk = min(self._engine.prefill_chunk, len(self.prompt_ids) - self._prefilled)
+        self._prefilled += chunk
+        self.stats.prefilled_tokens += chunk
+        self.stats.prefill_ms += (time.monotonic() - began) * 1000
+        return FakeStepOutput(tokens=[], finished=None, phase="prefill")
+
+    def _decode_one(self) -> FakeStepOutput:
+        began = time.monotonic()
+        time.sleep(self._engine.decode_step_s)
+        index = self.stats.generated_tokens
+        if self._engine.endless:
+            token = self._reply[index % len(self._reply)]
+        else:
+            token = self._reply[index] if index < len(self._reply) else EOS
+        self.stats.generated_tokens += 1
+        if token == EOS:
+            self.finished = "stop"
+        elif self.stats.generated_tokens >= self.max_tokens:
+            self.finished = "length"
+        self.stats.decode_ms += (time.monotonic() - began) * 1000
+        return FakeStepOutput(tokens=[token], finished=self.finished, phase="decode")
+
+    def close(self) -> None:
+        if self.closed_at is None:
+            self.closed_at = time.monotonic()
+            self._engine._closed(self)
+
+
+class FakeEngine:
+    """Mirrors dflash.engine.generate.Engine. Checks the contract: one live generation at a time,
+    start() and step() only from one thread, no step after the end."""
+
+    def __init__(self, *, max_ctx: int = 4096, prefill_chunk: int = 16, prefill_step_s: float = 0.0,
+                 decode_step_s: float = 0.0, reply: str = REPLY, endless: bool = False,
+                 fail_on_step: int | None = None):
+        self.max_ctx = max_ctx
+        self.prefill_chunk = prefill_chunk
+        self.prefill_step_s = prefill_step_s
+        self.decode_step_s = decode_step_s
+        self.reply = reply
+        self.endless = endless
+        self.fail_on_step = fail_on_step  # the n-th step of every generation raises
+        self.generations: list[FakeGeneration] = []
+        self.live: FakeGeneration | None = None
+        self.threads: set[str] = set()
+
+    def start(self, prompt_ids: list[int], sampling, max_tokens: int, stop_token_ids=()) -> FakeGeneration:
+        self.threads.add(threading.current_thread().name)
+        if self.live is not None:
+            raise RuntimeError("start() while another generation is live")
+        if len(prompt_ids) > self.max_ctx:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than max_ctx {self.max_ctx}")
+        self.live = FakeGeneration(self, prompt_ids, sampling, max_tokens)
+        self.generations.append(self.live)
+        return self.live
+
+    @property
+    def idle(self) -> bool:
+        return self.live is None
+
+    def _closed(self, generation: FakeGeneration) -> None:
+        if self.live is generation:
+            self.live = None
+
+
+def render_prompt(messages: list[dict]) -> list[int]:
+    text = "".join(f"{message['role']}: {message['content']}\n" for message in messages) + "assistant: "
+    return list(text.encode())
+
+
+class FakeDetokenizer:
+    """Bytes to text, holding back incomplete UTF-8 like the real one; EOS and other ids > 255 vanish."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: list[int]) -> str:
+        return self._decoder.decode(bytes(token for token in token_ids if token < 256))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+def fake_text(max_ctx: int, aliases: tuple[str, ...] = ()) -> ModelText:
+    return ModelText(model_id="fake-model", max_ctx=max_ctx, render_prompt=render_prompt,
+                     new_detokenizer=FakeDetokenizer, aliases=aliases)
+
+
+def fake_loader(engine: FakeEngine):
+    """A `dflash.app.serve` loader that serves `engine`."""
+
+    def load(config: ModelConfig):
+        return engine, fake_text(engine.max_ctx, config.aliases)
+
+    return load
+
+
+def main(argv: list[str] | None = None) -> int:
+    import trio
+
+    from dflash import logs
+    from dflash.app import serve
+    from dflash.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog="python -m tests.unit.fakes", description="serve the fake engine")
+    parser.add_argument("config")
+    parser.add_argument("--prefill-step-ms", type=float, default=20.0)
+    parser.add_argument("--decode-step-ms", type=float, default=5.0)
+    parser.add_argument("--prefill-chunk", type=int, default=16)
+    parser.add_argument("--endless", action="store_true", help="never emit EOS (replies end at max_tokens)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(config.logging.level, config.logging.format)
+    engine = FakeEngine(max_ctx=config.model.max_ctx, prefill_chunk=args.prefill_chunk,
+                        prefill_step_s=args.prefill_step_ms / 1000, decode_step_s=args.decode_step_ms / 1000,
+                        endless=args.endless)
+    trio.run(partial(serve, config, loader=fake_loader(engine)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
