@@ -19,7 +19,7 @@ import trio
 
 from dflash import __version__
 from dflash.api import API, ModelText, error_response
-from dflash.config import Config, ModelConfig
+from dflash.config import Config
 from dflash.http.server import HTTPServer, Limits
 from dflash.logs import config_summary, get_logger
 from dflash.scheduler import EngineWorker, Scheduler
@@ -29,19 +29,29 @@ LAST_WRITES_S = 2.0
 
 log = get_logger("dflash.app")
 
-# ModelConfig -> (engine, its text side). Runs in the engine thread.
-ModelLoader = Callable[[ModelConfig], tuple[Any, ModelText]]
+# Config -> (engine, its text side). Runs in the engine thread.
+ModelLoader = Callable[[Config], tuple[Any, ModelText]]
 
 
-def load_served_model(config: ModelConfig) -> tuple[Any, ModelText]:
+def load_served_model(full_config: Config) -> tuple[Any, ModelText]:
     # Imported here, not at the top: they pull in transformers and the model code, which a server
     # on a fake engine (unit tests, bench --fake) never needs.
     from dflash.chat.detokenize import IncrementalDetokenizer
     from dflash.chat.template import render_prompt
     from dflash.engine.loading import load_model as load_engine_model
 
-    loaded = load_engine_model(config.source, dtype=config.dtype, max_ctx=config.max_ctx, threads=config.threads,
-                               prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir))
+    from dflash.engine.speculative import SpeculationConfig
+
+    config, spec, cache = full_config.model, full_config.speculative, full_config.cache
+    loaded = load_engine_model(
+        config.source, dtype=config.dtype, max_ctx=config.max_ctx, threads=config.threads,
+        prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir),
+        speculation=SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens,
+                                      ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, adaptive=spec.adaptive),
+        draft_model=os.path.expanduser(spec.draft_model) if spec.draft_model else None,
+        prefix_cache_slots=cache.prefix_cache_slots, prefill_cache_slots=cache.prefill_cache_slots,
+        cache_budget_mib=cache.memory_budget_mib,
+    )
     text = ModelText(
         model_id=loaded.model_id,
         max_ctx=loaded.max_ctx,
@@ -92,7 +102,7 @@ async def serve(config: Config, *, loader: ModelLoader = load_served_model, hand
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load the model, listen, serve until shutdown. `task_status.started` gets the App."""
     with EngineWorker() as worker:
-        engine, model = await worker.call(loader, config.model)
+        engine, model = await worker.call(loader, config)
         scheduler = Scheduler(engine, worker, queue_max=config.server.queue_max)
         router = API(model, scheduler, config).router()
         http = HTTPServer(router, limits_of(config), common_headers=router.common_headers,

@@ -94,6 +94,23 @@ class ModelConfig:
 
 
 @attrs.frozen
+class SpeculativeConfig:
+    drafter: str = attrs.field(default="auto", validator=_one_of("auto", "dflash", "ngram", "none"))
+    draft_model: str = ""  # a DFlash checkpoint folder; "" runs without one (auto then uses n-grams only)
+    max_draft_tokens: int = attrs.field(default=8, validator=_ints(1, 64))
+    ngram_min: int = attrs.field(default=2, validator=_ints(1, 16))
+    ngram_max: int = attrs.field(default=4, validator=_ints(1, 16))
+    adaptive: bool = True
+
+
+@attrs.frozen
+class CacheConfig:
+    prefix_cache_slots: int = attrs.field(default=16, validator=_ints(0, 1024))
+    prefill_cache_slots: int = attrs.field(default=4, validator=_ints(0, 1024))
+    memory_budget_mib: int = attrs.field(default=2048, validator=_ints(1))
+
+
+@attrs.frozen
 class LoggingConfig:
     level: str = attrs.field(default="info", validator=_one_of("debug", "info", "warning", "error"))
     format: str = attrs.field(default="json", validator=_one_of("json", "console"))
@@ -104,6 +121,8 @@ class LoggingConfig:
 class Config:
     server: ServerConfig = attrs.Factory(ServerConfig)
     model: ModelConfig = attrs.Factory(ModelConfig)
+    speculative: SpeculativeConfig = attrs.Factory(SpeculativeConfig)
+    cache: CacheConfig = attrs.Factory(CacheConfig)
     logging: LoggingConfig = attrs.Factory(LoggingConfig)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
 from dflash.engine.generate import Engine
+from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer
 
@@ -58,6 +59,9 @@ def load_model(
     cache_dir: str | os.PathLike | None = None,
     speculation: SpeculationConfig = SpeculationConfig(),
     draft_model: str | os.PathLike | None = None,
+    prefix_cache_slots: int = 0,
+    prefill_cache_slots: int = 0,
+    cache_budget_mib: int = 2048,
 ) -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -95,8 +99,16 @@ def load_model(
         eos_token_ids=eos_ids,
         speculation=speculation,
         dflash_drafter=drafter,
+        # One memory budget, split by slot share between the two tiers.
+        prefix_cache=PrefixCache(prefix_cache_slots, _share(cache_budget_mib, prefix_cache_slots, prefill_cache_slots)),
+        prompt_cache=PrefixCache(prefill_cache_slots, _share(cache_budget_mib, prefill_cache_slots, prefix_cache_slots)),
     )
     return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
+
+
+def _share(budget_mib: int, slots: int, other_slots: int) -> int:
+    total = slots + other_slots
+    return 0 if total == 0 else budget_mib * (1 << 20) * slots // total
 
 
 def resolve_source(source: str, cache: Path) -> tuple[str, Path]:

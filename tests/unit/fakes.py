@@ -17,7 +17,7 @@ from functools import partial
 import attrs
 
 from dflash.api import ModelText
-from dflash.config import ModelConfig
+from dflash.config import Config
 
 EOS = 256
 REPLY = "Hello from the fake engine. "
@@ -164,8 +164,8 @@ def fake_text(max_ctx: int, aliases: tuple[str, ...] = ()) -> ModelText:
 def fake_loader(engine: FakeEngine):
     """A `dflash.app.serve` loader that serves `engine`."""
 
-    def load(config: ModelConfig):
-        return engine, fake_text(engine.max_ctx, config.aliases)
+    def load(config: Config):
+        return engine, fake_text(engine.max_ctx, config.model.aliases)
 
     return load
 

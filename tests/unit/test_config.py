@@ -38,7 +38,7 @@ def test_the_example_documents_exactly_the_defaults():
 
 @pytest.mark.parametrize("raw, expected", [
     ({"server": {"prot": 8000}}, "server.prot: unknown key (value 8000)"),
-    ({"speculative": {}}, "speculative: unknown key"),
+    ({"pflash": {}}, "pflash: unknown key"),
     ({"server": {"port": "8000"}}, "server.port: expected an integer, got '8000'"),
     ({"server": {"port": 70000}}, "server.port: expected an integer from 0 to 65535, got 70000"),
     ({"server": {"keepalive_s": 0}}, "server.keepalive_s: expected a number of seconds > 0, got 0.0"),
