@@ -69,10 +69,13 @@ def load_model(
     cache = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
     model_id, folder = resolve_source(source, cache)
     config = _read_json(folder / "config.json")
+    architectures = config.get("architectures") or []
+    native = any(a in SUPPORTED_ARCHITECTURES for a in architectures)
+    if not native:
+        check_transformers_architecture(architectures)
     tokenizer = _load_tokenizer(folder)
     eos_ids = eos_token_ids(folder, config, tokenizer)
-    architectures = config.get("architectures") or []
-    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+    if native:
         args = ModelArgs.from_hf_config(config)
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
         backend = "native"
@@ -104,6 +107,18 @@ def load_model(
         prompt_cache=PrefixCache(prefill_cache_slots, _share(cache_budget_mib, prefill_cache_slots, prefix_cache_slots)),
     )
     return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
+
+
+def check_transformers_architecture(architectures: list[str]) -> None:
+    """Outside the built-in family, transformers must know the class (the fallback backend)."""
+    import transformers
+
+    if not any(getattr(transformers, name, None) is not None for name in architectures):
+        built_in = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ModelLoadError(
+            f"unsupported model architecture {architectures!r}: the built-in decoder supports {built_in}, "
+            f"and transformers {transformers.__version__} has no such class for the fallback backend"
+        )
 
 
 def _share(budget_mib: int, slots: int, other_slots: int) -> int:

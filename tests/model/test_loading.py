@@ -1,0 +1,75 @@
+"""Model sources and their errors: HF folder, GGUF cache, and clear messages for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash.engine.loading import ModelLoadError, load_model, resolve_source
+from dflash.engine.sampling import SamplingParams
+from tests.model.tiny import tiny_hf_model
+
+
+def write_hf_folder(folder, name="llama"):
+    model = tiny_hf_model(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings},
+              str(folder / "model.safetensors"))
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(128)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="t2").save_pretrained(folder)
+    return model
+
+
+def test_hf_folder_loads_and_generates_like_transformers(tmp_path):
+    hf = write_hf_folder(tmp_path / "tiny")
+    loaded = load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=64)
+    assert loaded.model_id == "tiny" and loaded.backend == "native"
+    prompt = [5, 9, 33, 7]
+    with torch.no_grad():
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, 4:].tolist()
+    loaded.engine.eos_token_ids = frozenset()
+    assert loaded.engine.start(prompt, SamplingParams(), 6).run() == reference
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_source(str(tmp_path / "nope"), tmp_path)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    folder = tmp_path / "weird"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["NotARealForCausalLM"], "model_type": "nope"}))
+    with pytest.raises(ModelLoadError, match="NotARealForCausalLM"):
+        load_model(str(folder), dtype="float32")
+
+
+def test_corrupt_weights_are_a_clear_error(tmp_path):
+    write_hf_folder(tmp_path / "tiny")
+    (tmp_path / "tiny" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ModelLoadError, match="corrupt weights file"):
+        load_model(str(tmp_path / "tiny"), dtype="float32")
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        resolve_source(str(bad), tmp_path / "cache")
+
+
+def test_dflash_chat_streams_the_embedded_models_greedy_reply():
+    result = subprocess.run([sys.executable, "-m", "dflash.cli", "chat", "What is the capital of France?",
+                             "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
