@@ -49,8 +49,8 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
-def ours(source, dtype, tokens):
-    loaded = load_model(source, dtype=dtype, max_ctx=4096, prefill_chunk=512)
+def ours(source, dtype, tokens, threads):
+    loaded = load_model(source, dtype=dtype, max_ctx=4096, prefill_chunk=512, threads=threads)
     prompt_ids = render_prompt(loaded.tokenizer, [{"role": "user", "content": PROMPT}])
     engine = loaded.engine
     engine.eos_token_ids = frozenset()  # decode exactly `tokens` tokens
@@ -89,7 +89,7 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs()
     rows = []
     for dtype in args.dtypes.split(","):
-        our_prefill, our_decode, loaded, prompt_ids = ours(args.model, dtype, args.tokens)
+        our_prefill, our_decode, loaded, prompt_ids = ours(args.model, dtype, args.tokens, args.threads)
         torch.set_num_threads(args.threads)
         hf_prefill, hf_decode = transformers_speed(loaded.folder, dtype, prompt_ids, args.tokens)
         limit = bandwidth * 1e9 / decode_weight_bytes(loaded.engine.model)

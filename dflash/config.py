@@ -87,7 +87,7 @@ class ModelConfig:
     source: str = "embedded:smollm2-135m-instruct"
     dtype: str = attrs.field(default="bfloat16", validator=_one_of("bfloat16", "float32"))
     max_ctx: int = attrs.field(default=8192, validator=_ints(16))
-    threads: int = attrs.field(default=1, validator=_ints(1))
+    threads: int = attrs.field(default=2, validator=_ints(1))
     prefill_chunk: int = attrs.field(default=256, validator=_ints(1))
     cache_dir: str = "~/.cache/dflash"
     aliases: tuple[str, ...] = ()
