@@ -43,7 +43,10 @@ class _Ema:
 class SpeculationPolicy:
     """Per generation: picks the drafter and block size for each decode step."""
 
-    PAUSE_STEPS = 16  # plain steps to take after speculation measured slower than plain decoding
+    # Plain steps to take after speculation measured slower than plain decoding; doubled after each
+    # probe that fails again (so a drafter that never pays costs ever less), reset by one that pays.
+    PAUSE_STEPS = 16
+    MAX_PAUSE_STEPS = 512
 
     def __init__(self, config: SpeculationConfig, drafters: dict[str, object]):
         self.config = config
@@ -52,6 +55,7 @@ class SpeculationPolicy:
         self.plain_seconds = _Ema(0.3)
         self.tokens_per_second = {name: _Ema(0.3) for name in drafters}
         self.pause = 0
+        self.pause_length = self.PAUSE_STEPS
 
     def choose(self, tokens: Sequence[int]) -> tuple[object | None, list[int]]:
         """The drafter for this step and its proposal; (None, []) means take a plain step."""
@@ -82,5 +86,8 @@ class SpeculationPolicy:
         elif accepted == proposed:
             self.block = min(self.config.max_draft_tokens, self.block * 2)
         if rate.value < plain_rate:
-            self.pause = self.PAUSE_STEPS
+            self.pause = self.pause_length
+            self.pause_length = min(2 * self.pause_length, self.MAX_PAUSE_STEPS)
             rate.value = plain_rate  # probe again from neutral after the pause
+        else:
+            self.pause_length = self.PAUSE_STEPS

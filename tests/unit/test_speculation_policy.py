@@ -1,0 +1,56 @@
+"""The speculation policy: measure plain decoding first, shrink the block on low acceptance,
+pause (with growing pauses) when speculating measures slower than plain decoding."""
+
+from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
+
+
+class ScriptedDrafter:
+    name = "ngram"
+
+    def __init__(self):
+        self.asked = []
+
+    def propose(self, tokens, max_tokens):
+        self.asked.append(max_tokens)
+        return [1] * max_tokens
+
+
+def test_first_step_is_plain_to_measure_the_baseline():
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": ScriptedDrafter()})
+    assert policy.choose([1, 2, 3]) == (None, [])
+
+
+def test_a_drafter_that_never_pays_is_probed_ever_less_often():
+    drafter = ScriptedDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    policy.record_plain(0.010)
+    speculative_steps = []
+    for step in range(600):
+        chosen, draft = policy.choose([1, 2, 3])
+        if chosen is None:
+            policy.record_plain(0.010)
+        else:
+            speculative_steps.append(step)
+            policy.record(chosen, len(draft), 0, 0.030)  # nothing accepted, 3x a plain step
+    assert len(speculative_steps) <= 8
+    assert drafter.asked[:4] == [8, 4, 2, 1]  # the block halves after each failed probe
+
+
+def test_a_drafter_that_pays_keeps_speculating_with_a_full_block():
+    drafter = ScriptedDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    policy.record_plain(0.010)
+    for _ in range(50):
+        chosen, draft = policy.choose([1, 2, 3])
+        assert chosen is drafter
+        policy.record(chosen, len(draft), len(draft), 0.020)  # 9 tokens in 2 plain steps' time
+    assert set(drafter.asked) == {8}
+
+
+def test_without_adaptation_every_step_speculates():
+    drafter = ScriptedDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=4, adaptive=False), {"ngram": drafter})
+    for _ in range(10):
+        chosen, draft = policy.choose([1, 2, 3])
+        policy.record(chosen, len(draft), 0, 1.0)
+    assert drafter.asked == [4] * 10
