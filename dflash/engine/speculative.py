@@ -40,8 +40,19 @@ class _Ema:
         self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
 
 
+class _DrafterState:
+    """What the policy has measured of one drafter."""
+
+    def __init__(self, block: int, pause_length: int):
+        self.block = block
+        self.pause = 0
+        self.pause_length = pause_length
+        self.tokens_per_second = _Ema(0.3)
+
+
 class SpeculationPolicy:
-    """Per generation: picks the drafter and block size for each decode step."""
+    """Per generation: picks the drafter and block size for each decode step. Each drafter keeps its
+    own block size and pause, so a drafter that does not pay does not silence one that does."""
 
     # Plain steps to take after speculation measured slower than plain decoding; doubled after each
     # probe that fails again (so a drafter that never pays costs ever less), reset by one that pays.
@@ -51,23 +62,19 @@ class SpeculationPolicy:
     def __init__(self, config: SpeculationConfig, drafters: dict[str, object]):
         self.config = config
         self.drafters = drafters  # name -> drafter, in preference order for auto mode
-        self.block = config.max_draft_tokens
+        self.state = {name: _DrafterState(config.max_draft_tokens, self.PAUSE_STEPS) for name in drafters}
         self.plain_seconds = _Ema(0.3)
-        self.tokens_per_second = {name: _Ema(0.3) for name in drafters}
-        self.pause = 0
-        self.pause_length = self.PAUSE_STEPS
 
     def choose(self, tokens: Sequence[int]) -> tuple[object | None, list[int]]:
         """The drafter for this step and its proposal; (None, []) means take a plain step."""
-        if not self.drafters:
-            return None, []
-        if self.pause > 0:
-            self.pause -= 1
-            return None, []
-        if self.config.adaptive and self.plain_seconds.value is None:
+        if self.config.adaptive and self.plain_seconds.value is None and self.drafters:
             return None, []  # measure one plain step first: the baseline speculation must beat
         for name, drafter in self.drafters.items():
-            draft = drafter.propose(tokens, self.block)
+            state = self.state[name]
+            if state.pause > 0:
+                state.pause -= 1
+                continue
+            draft = drafter.propose(tokens, state.block)
             if draft:
                 return drafter, draft
         return None, []
@@ -78,16 +85,16 @@ class SpeculationPolicy:
     def record(self, drafter, proposed: int, accepted: int, seconds: float) -> None:
         if not self.config.adaptive:
             return
-        rate = self.tokens_per_second[drafter.name]
-        rate.add((accepted + 1) / max(seconds, 1e-9))
+        state = self.state[drafter.name]
+        state.tokens_per_second.add((accepted + 1) / max(seconds, 1e-9))
         plain_rate = 1.0 / max(self.plain_seconds.value or seconds, 1e-9)
-        if accepted < proposed / 2 and self.block > 1:
-            self.block = max(1, self.block // 2)
+        if accepted < proposed / 2 and state.block > 1:
+            state.block = max(1, state.block // 2)
         elif accepted == proposed:
-            self.block = min(self.config.max_draft_tokens, self.block * 2)
-        if rate.value < plain_rate:
-            self.pause = self.pause_length
-            self.pause_length = min(2 * self.pause_length, self.MAX_PAUSE_STEPS)
-            rate.value = plain_rate  # probe again from neutral after the pause
+            state.block = min(self.config.max_draft_tokens, state.block * 2)
+        if state.tokens_per_second.value < plain_rate:
+            state.pause = state.pause_length
+            state.pause_length = min(2 * state.pause_length, self.MAX_PAUSE_STEPS)
+            state.tokens_per_second.value = plain_rate  # probe again from neutral after the pause
         else:
-            self.pause_length = self.PAUSE_STEPS
+            state.pause_length = self.PAUSE_STEPS

@@ -54,3 +54,20 @@ def test_without_adaptation_every_step_speculates():
         chosen, draft = policy.choose([1, 2, 3])
         policy.record(chosen, len(draft), 0, 1.0)
     assert drafter.asked == [4] * 10
+
+
+def test_a_failing_drafter_does_not_pause_one_that_pays():
+    class Named(ScriptedDrafter):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+    good, bad = Named("ngram"), Named("dflash")
+    policy = SpeculationPolicy(SpeculationConfig(drafter="auto", max_draft_tokens=4),
+                               {"dflash": bad, "ngram": good})
+    policy.record_plain(0.010)
+    for _ in range(40):
+        chosen, draft = policy.choose([1, 2, 3])
+        accepted = len(draft) if chosen is good else 0
+        policy.record(chosen, len(draft), accepted, 0.015 if chosen is good else 0.040)
+    assert len(bad.asked) <= 4 and len(good.asked) >= 30
