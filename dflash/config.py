@@ -108,6 +108,8 @@ class CacheConfig:
     prefix_cache_slots: int = attrs.field(default=16, validator=_ints(0, 1024))
     prefill_cache_slots: int = attrs.field(default=4, validator=_ints(0, 1024))
     memory_budget_mib: int = attrs.field(default=2048, validator=_ints(1))
+    disk_dir: str = ""  # "" keeps snapshots in memory only
+    disk_max_mib: int = attrs.field(default=4096, validator=_ints(1))
 
 
 @attrs.frozen

@@ -14,6 +14,8 @@ import attrs
 import torch
 
 from dflash.engine.drafters.ngram import NgramDrafter
+from dflash.engine.disk_cache import DiskCache
+from dflash.engine.kv import KVSnapshot
 from dflash.engine.prefix_cache import CacheEntry, PrefixCache
 from dflash.engine.sampling import Sampler, SamplingParams
 from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
@@ -70,8 +72,10 @@ class Engine:
         dflash_drafter=None,
         prefix_cache: PrefixCache | None = None,
         prompt_cache: PrefixCache | None = None,
+        disk_cache: DiskCache | None = None,
     ):
         self.model = model
+        self.disk_cache = disk_cache
         # (`is None`, not `or`: an empty cache has len() 0 and is falsy)
         self.prefix_cache = PrefixCache(0, 0) if prefix_cache is None else prefix_cache  # message boundaries
         self.prompt_cache = PrefixCache(0, 0) if prompt_cache is None else prompt_cache  # exact prompts
@@ -134,6 +138,12 @@ class Engine:
         live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1)
         candidates = [self.prefix_cache.lookup(prompt), self.prompt_cache.lookup(prompt)]
         entry = max((c for c in candidates if c is not None), key=lambda c: len(c.tokens), default=None)
+        depth = max(live, len(entry.tokens) if entry is not None else 0)
+        if self.disk_cache is not None:
+            found = self.disk_cache.lookup(prompt, deeper_than=depth)
+            if found is not None:
+                self.prefix_cache.store(found.tokens, found.snapshot, found.draft_rows)
+                entry = CacheEntry(found.tokens, found.snapshot, found.draft_rows, 0)
         if entry is None or len(entry.tokens) <= live:
             return self.rollback(live)
         return self._restore(entry)
@@ -156,7 +166,10 @@ class Engine:
         rows = self.dflash_drafter.context_rows() if self.dflash_drafter is not None else None
         if rows is not None and rows.shape[0] != len(self.committed):
             rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
-        cache.store(self.committed, self.kv.snapshot(), rows)
+        snapshot = self.kv.snapshot()
+        cache.store(self.committed, snapshot, rows)
+        if self.disk_cache is not None and isinstance(snapshot, KVSnapshot):  # not the transformers backend
+            self.disk_cache.store(self.committed, snapshot, rows)
 
     def drafters(self) -> dict[str, object]:
         """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""

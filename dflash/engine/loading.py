@@ -20,6 +20,7 @@ import attrs
 import structlog
 import torch
 
+from dflash.engine.disk_cache import DiskCache
 from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
 from dflash.engine.generate import Engine
 from dflash.engine.prefix_cache import PrefixCache
@@ -62,6 +63,8 @@ def load_model(
     prefix_cache_slots: int = 0,
     prefill_cache_slots: int = 0,
     cache_budget_mib: int = 2048,
+    disk_cache_dir: str | os.PathLike | None = None,
+    disk_cache_mib: int = 4096,
 ) -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -105,8 +108,39 @@ def load_model(
         # One memory budget, split by slot share between the two tiers.
         prefix_cache=PrefixCache(prefix_cache_slots, _share(cache_budget_mib, prefix_cache_slots, prefill_cache_slots)),
         prompt_cache=PrefixCache(prefill_cache_slots, _share(cache_budget_mib, prefill_cache_slots, prefix_cache_slots)),
+        disk_cache=(
+            DiskCache(disk_cache_dir, disk_cache_mib << 20, model_identity(folder, dtype, max_ctx, tokenizer, draft_model))
+            if disk_cache_dir and backend == "native"
+            else None
+        ),
     )
     return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """Names, sizes and the first and last MiB of every weight file: cheap at start-up even for
+    large models, and it changes whenever the weights do in practice."""
+    digest = hashlib.sha256()
+    for file in sorted(folder.glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()
+
+
+def model_identity(folder: Path, dtype: str, max_ctx: int, tokenizer, draft_model) -> dict[str, Any]:
+    """What a disk snapshot must match to be served: weights, dtype, context size, chat template."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
+    return {
+        "weights": weights_fingerprint(folder),
+        "draft": weights_fingerprint(Path(draft_model).expanduser()) if draft_model else None,
+        "dtype": dtype,
+        "max_ctx": max_ctx,
+        "template": hashlib.sha256((template or "").encode()).hexdigest(),
+    }
 
 
 def check_transformers_architecture(architectures: list[str]) -> None:

@@ -1,0 +1,240 @@
+"""Prefix-cache snapshots on disk, so a conversation survives a restart.
+
+One file per snapshot: an 8-byte little-endian header length, a JSON header (format, model identity,
+the snapshot's tokens, a tensor table, the payload's SHA-256) and the raw tensor bytes. A file whose
+identity differs (another model, dtype, context size or chat template), whose checksum fails or that
+is truncated or unreadable is skipped with a warning and removed: never served, never a crash.
+
+Writes happen off the request path: the engine thread turns tensors into bytes (a memory copy) and a
+writer thread puts them on disk atomically (temporary file + rename), then trims the folder to its
+byte budget, oldest first. A folder that cannot be written is reported once; serving goes on from
+memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import structlog
+import torch
+from torch import Tensor
+
+from dflash.engine.kv import KVSnapshot
+
+FORMAT = "dflash-kv-1"
+SUFFIX = ".dkv"
+log = structlog.get_logger("dflash.disk_cache")
+
+
+@attrs.frozen
+class DiskEntry:
+    tokens: tuple[int, ...]
+    path: Path
+
+
+@attrs.frozen
+class LoadedSnapshot:
+    tokens: tuple[int, ...]
+    snapshot: KVSnapshot
+    draft_rows: Tensor | None
+
+
+def tensor_bytes(t: Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def tokens_name(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()[:32]
+
+
+def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor]) -> bytes:
+    table, chunks, offset = [], [], 0
+    for name, t in tensors.items():
+        data = tensor_bytes(t)
+        table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                      "offset": offset, "nbytes": len(data)})
+        chunks.append(data)
+        offset += len(data)
+    payload = b"".join(chunks)
+    header = json.dumps({"format": FORMAT, "identity": identity, "tokens": list(tokens), "tensors": table,
+                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    return struct.pack("<Q", len(header)) + header + payload
+
+
+class CorruptSnapshot(ValueError):
+    pass
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CorruptSnapshot("truncated before the header")
+        (length,) = struct.unpack("<Q", raw)
+        if length > 64 << 20:
+            raise CorruptSnapshot(f"header length {length} is implausible")
+        data = f.read(length)
+    if len(data) != length:
+        raise CorruptSnapshot("truncated inside the header")
+    try:
+        header = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptSnapshot(f"unreadable header: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CorruptSnapshot(f"not a {FORMAT} file")
+    return header, 8 + length
+
+
+def decode(path: Path, identity: dict[str, Any]) -> LoadedSnapshot:
+    header, start = read_header(path)
+    if header.get("identity") != identity:
+        raise CorruptSnapshot("made by another model, dtype, context size or chat template")
+    payload = path.read_bytes()[start:]
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise CorruptSnapshot("checksum mismatch (truncated or damaged payload)")
+    tensors: dict[str, Tensor] = {}
+    for entry in header["tensors"]:
+        chunk = bytearray(payload[entry["offset"] : entry["offset"] + entry["nbytes"]])
+        dtype = getattr(torch, entry["dtype"])
+        tensors[entry["name"]] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).reshape(entry["shape"])
+    tokens = tuple(header["tokens"])
+    snapshot = KVSnapshot(tensors["keys"], tensors["values"], len(tokens))
+    return LoadedSnapshot(tokens, snapshot, tensors.get("draft_rows"))
+
+
+class DiskCache:
+    def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any]):
+        self.folder = Path(folder).expanduser() if folder else None
+        self.max_bytes = max_bytes
+        self.identity = identity
+        self._entries: dict[str, DiskEntry] = {}
+        self._write_failed = False
+        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=8)
+        self._writer: threading.Thread | None = None
+        if self.folder is not None:
+            self._scan()
+            self._writer = threading.Thread(target=self._write_loop, name="dflash-disk-cache", daemon=True)
+            self._writer.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _scan(self) -> None:
+        """Index the files of this model; drop those that cannot be read or belong elsewhere."""
+        if not self.folder.is_dir():
+            return
+        for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+            try:
+                header, _ = read_header(path)
+                if header.get("identity") != self.identity:
+                    raise CorruptSnapshot("made by another model, dtype, context size or chat template")
+                tokens = tuple(header["tokens"])
+            except (CorruptSnapshot, OSError, KeyError, TypeError) as exc:
+                self._discard(path, exc)
+                continue
+            self._entries[path.stem] = DiskEntry(tokens, path)
+
+    def _discard(self, path: Path, reason: Exception) -> None:
+        log.warning("disk_cache_file_skipped", path=str(path), reason=str(reason))
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def lookup(self, prompt: Sequence[int], deeper_than: int) -> LoadedSnapshot | None:
+        """The deepest readable snapshot that is a proper prefix of `prompt` and longer than
+        `deeper_than` tokens; unreadable candidates are removed on the way."""
+        candidates = sorted(
+            # (a copy: the writer thread may trim entries meanwhile)
+            (e for e in list(self._entries.values()) if deeper_than < len(e.tokens) < len(prompt)),
+            key=lambda e: len(e.tokens), reverse=True,
+        )
+        for entry in candidates:
+            if tuple(prompt[: len(entry.tokens)]) != entry.tokens:
+                continue
+            try:
+                loaded = decode(entry.path, self.identity)
+            except (CorruptSnapshot, OSError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+                self._entries.pop(entry.path.stem, None)
+                self._discard(entry.path, exc)
+                continue
+            os.utime(entry.path)  # last use, for the oldest-first trim
+            return loaded
+        return None
+
+    def store(self, tokens: Sequence[int], snapshot: KVSnapshot, draft_rows: Tensor | None) -> None:
+        """Encode now (engine thread, memory copies only); the writer thread does the disk I/O."""
+        if not self.enabled or self._write_failed:
+            return
+        name = tokens_name(tokens)
+        if name in self._entries:
+            return
+        tensors = {"keys": snapshot.keys, "values": snapshot.values}
+        if draft_rows is not None:
+            tensors["draft_rows"] = draft_rows
+        data = encode(self.identity, tokens, tensors)
+        if len(data) > self.max_bytes:
+            return
+        try:
+            self._writes.put_nowait((name, data))
+        except queue.Full:
+            return  # the disk is behind; this snapshot stays in memory only
+        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}")
+
+    def _write_loop(self) -> None:
+        while (item := self._writes.get()) is not None:
+            name, data = item
+            try:
+                self._write(name, data)
+            except OSError as exc:
+                self._entries.pop(name, None)
+                if not self._write_failed:
+                    self._write_failed = True
+                    log.warning("disk_cache_unwritable", folder=str(self.folder), error=str(exc),
+                                note="snapshots stay in memory only")
+            finally:
+                self._writes.task_done()
+
+    def _write(self, name: str, data: bytes) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        target = self.folder / f"{name}{SUFFIX}"
+        temporary = self.folder / f".{name}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, target)
+        self._trim()
+
+    def _trim(self) -> None:
+        files = [(p.stat().st_mtime, p) for p in self.folder.glob(f"*{SUFFIX}")]
+        total = sum(p.stat().st_size for _, p in files)
+        for _, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            total -= path.stat().st_size
+            path.unlink(missing_ok=True)
+            self._entries.pop(path.stem, None)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait for queued writes (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join(timeout=30)
+            self._writer = None

@@ -1,0 +1,87 @@
+"""The disk tier of the prefix cache: survives a restart; damaged or foreign files are skipped
+and removed; an unwritable folder does not stop serving."""
+
+import logging
+
+import pytest
+
+from dflash.engine.disk_cache import SUFFIX, DiskCache
+from dflash.engine.generate import Engine
+from dflash.engine.prefix_cache import PrefixCache
+from dflash.engine.sampling import SamplingParams
+from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+IDENTITY = {"weights": "tiny-llama", "dtype": "float32", "max_ctx": 128, "template": "t"}
+CONVERSATION = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2, 8]
+BOUNDARY = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ours_from_hf(tiny_hf_model("llama"))
+
+
+def serve_once(model, folder, prompt, identity=IDENTITY, snapshot_at=(BOUNDARY,)):
+    """One 'server lifetime': a fresh engine and disk cache over `folder`, one request."""
+    disk = DiskCache(folder, max_bytes=1 << 30, identity=identity)
+    engine = Engine(model, max_ctx=128, prefix_cache=PrefixCache(4, 1 << 30), disk_cache=disk)
+    generation = engine.start(prompt, SamplingParams(), max_tokens=6, snapshot_at=snapshot_at)
+    out = generation.run()
+    disk.flush()
+    disk.close()
+    return out, generation.stats
+
+
+def test_a_restart_restores_from_disk_with_the_same_output(model, tmp_path):
+    first, stats = serve_once(model, tmp_path, CONVERSATION)
+    assert stats.cached_tokens == 0 and len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1
+    again, stats = serve_once(model, tmp_path, CONVERSATION)
+    assert stats.cached_tokens == BOUNDARY and again == first
+    assert stats.prefilled_tokens == len(CONVERSATION) - BOUNDARY
+
+
+def damage(path, how):
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) - 100])
+    elif how == "bit-flipped":
+        flipped = bytearray(data)
+        flipped[-50] ^= 0x01
+        path.write_bytes(bytes(flipped))
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit-flipped", "foreign"])
+def test_damaged_or_foreign_files_are_skipped_and_removed(model, tmp_path, how, caplog):
+    first, _ = serve_once(model, tmp_path, CONVERSATION)
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    identity = IDENTITY
+    if how == "foreign":
+        identity = {**IDENTITY, "weights": "another-model"}
+    else:
+        damage(path, how)
+    again, stats = serve_once(model, tmp_path, CONVERSATION, identity=identity, snapshot_at=())
+    assert again == first and stats.cached_tokens == 0
+    assert not path.exists()
+
+
+def test_an_unwritable_folder_does_not_stop_serving(model, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    first, _ = serve_once(model, blocker, CONVERSATION)
+    second, _ = serve_once(model, blocker, CONVERSATION)
+    assert first == second and blocker.read_text().startswith("a file")
+
+
+def test_the_folder_is_trimmed_to_its_byte_budget(model, tmp_path):
+    disk = DiskCache(tmp_path, max_bytes=1 << 30, identity=IDENTITY)
+    engine = Engine(model, max_ctx=128, prefix_cache=PrefixCache(8, 1 << 30), disk_cache=disk)
+    engine.start(CONVERSATION, SamplingParams(), 1, snapshot_at=(4,)).run()
+    disk.flush()
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    one_file = path.stat().st_size
+    disk.max_bytes = int(one_file * 2.5)
+    for first_token in range(1, 6):
+        engine.start([first_token] + CONVERSATION, SamplingParams(), 1, snapshot_at=(4,)).run()
+    disk.flush()
+    disk.close()
+    assert sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}")) <= one_file * 2.5
