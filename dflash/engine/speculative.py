@@ -58,11 +58,15 @@ class SpeculationPolicy:
     # probe that fails again (so a drafter that never pays costs ever less), reset by one that pays.
     PAUSE_STEPS = 16
     MAX_PAUSE_STEPS = 512
+    FIRST_BLOCK = 2
 
     def __init__(self, config: SpeculationConfig, drafters: dict[str, object]):
         self.config = config
         self.drafters = drafters  # name -> drafter, in preference order for auto mode
-        self.state = {name: _DrafterState(config.max_draft_tokens, self.PAUSE_STEPS) for name in drafters}
+        # Slow start: a drafter begins with a short block (a failed probe then costs little) and
+        # earns longer ones by having whole blocks accepted. Without adaptation: the full block.
+        first_block = min(self.FIRST_BLOCK, config.max_draft_tokens) if config.adaptive else config.max_draft_tokens
+        self.state = {name: _DrafterState(first_block, self.PAUSE_STEPS) for name in drafters}
         self.plain_seconds = _Ema(0.3)
 
     def choose(self, tokens: Sequence[int]) -> tuple[object | None, list[int]]:

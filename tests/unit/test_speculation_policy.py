@@ -33,7 +33,7 @@ def test_a_drafter_that_never_pays_is_probed_ever_less_often():
             speculative_steps.append(step)
             policy.record(chosen, len(draft), 0, 0.030)  # nothing accepted, 3x a plain step
     assert len(speculative_steps) <= 8
-    assert drafter.asked[:4] == [8, 4, 2, 1]  # the block halves after each failed probe
+    assert drafter.asked[:3] == [2, 1, 1]  # slow start, then the block halves after a failed probe
 
 
 def test_a_drafter_that_pays_keeps_speculating_with_a_full_block():
@@ -43,8 +43,8 @@ def test_a_drafter_that_pays_keeps_speculating_with_a_full_block():
     for _ in range(50):
         chosen, draft = policy.choose([1, 2, 3])
         assert chosen is drafter
-        policy.record(chosen, len(draft), len(draft), 0.020)  # 9 tokens in 2 plain steps' time
-    assert set(drafter.asked) == {8}
+        policy.record(chosen, len(draft), len(draft), 0.020)  # whole blocks in 2 plain steps' time
+    assert drafter.asked[:3] == [2, 4, 8] and set(drafter.asked[3:]) == {8}  # slow start, then full blocks
 
 
 def test_without_adaptation_every_step_speculates():
