@@ -73,9 +73,13 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         prompt_cache: PrefixCache | None = None,
         disk_cache: DiskCache | None = None,
+        grammar_tokenizer_factory=None,
     ):
         self.model = model
         self.disk_cache = disk_cache
+        # Built on the first constrained request (llguidance takes about a second to read a vocabulary).
+        self._grammar_tokenizer_factory = grammar_tokenizer_factory
+        self._grammar_tokenizer = None
         # (`is None`, not `or`: an empty cache has len() 0 and is falsy)
         self.prefix_cache = PrefixCache(0, 0) if prefix_cache is None else prefix_cache  # message boundaries
         self.prompt_cache = PrefixCache(0, 0) if prompt_cache is None else prompt_cache  # exact prompts
@@ -101,11 +105,14 @@ class Engine:
         max_tokens: int,
         stop_token_ids: Sequence[Sequence[int]] = (),
         snapshot_at: Sequence[int] = (),
+        grammar: str | None = None,
     ) -> "Generation":
-        """`snapshot_at`: prompt positions (message boundaries) to keep in the prefix cache."""
+        """`snapshot_at`: prompt positions (message boundaries) to keep in the prefix cache.
+        `grammar`: an llguidance grammar (see grammar.py) the output must follow."""
         if self._live is not None:
             self._live.close()
-        generation = Generation(self, list(prompt_ids), sampling, max_tokens, stop_token_ids, snapshot_at)
+        constraint = self.grammar_tokenizer().matcher(grammar) if grammar is not None else None
+        generation = Generation(self, list(prompt_ids), sampling, max_tokens, stop_token_ids, snapshot_at, constraint)
         self._live = generation
         return generation
 
@@ -130,6 +137,13 @@ class Engine:
         if self.dflash_drafter is not None:
             self.dflash_drafter.crop(kept)
         return kept
+
+    def grammar_tokenizer(self):
+        if self._grammar_tokenizer is None:
+            if self._grammar_tokenizer_factory is None:
+                raise ValueError("this engine was built without a tokenizer for constrained decoding")
+            self._grammar_tokenizer = self._grammar_tokenizer_factory()
+        return self._grammar_tokenizer
 
     def resume(self, prompt: Sequence[int]) -> int:
         """Make the KV state hold the longest available prefix of `prompt` (keeping at least one
@@ -191,6 +205,7 @@ class Generation:
         max_tokens: int,
         stop_token_ids: Sequence[Sequence[int]],
         snapshot_at: Sequence[int] = (),
+        constraint=None,
     ):
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -204,6 +219,7 @@ class Generation:
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.sampler = Sampler(sampling, engine.vocab_size)
+        self.constraint = constraint  # a GrammarConstraint, or None
         self.max_tokens = min(max_tokens, engine.max_ctx - len(prompt_ids))
         self.stop_token_ids = [list(s) for s in stop_token_ids if s]
         self.output: list[int] = []
@@ -253,16 +269,20 @@ class Generation:
             self.engine.snapshot(self.engine.prompt_cache)
         if self.prefilling:
             return StepOutput([], None, "prefill")
-        emitted = self._emit(self.sampler.sample(logits[-1], self.output))
+        emitted = self._emit(self._sample(logits[-1]))
         return StepOutput(emitted, self.finished, "prefill")
 
     def _decode_one(self) -> StepOutput:
         drafter, draft = self.speculation.choose(self.engine.committed + self.output[-1:])
+        if draft and self.constraint is not None:
+            # The pending token is committed to the matcher already; drafts past the first token
+            # the grammar refuses could never be accepted.
+            draft = draft[: self.constraint.valid_prefix(draft)]
         if draft:
             return self._speculative_step(drafter, draft)
         started = time.perf_counter()
         logits = self.engine.forward([self.output[-1]])
-        emitted = self._emit(self.sampler.sample(logits[-1], self.output))
+        emitted = self._emit(self._sample(logits[-1]))
         self.speculation.record_plain(time.perf_counter() - started)
         return StepOutput(emitted, self.finished, "decode")
 
@@ -276,7 +296,7 @@ class Generation:
         accepted = 0  # draft tokens whose KV stays: matched, and not the final emitted token
         matched = 0
         for i in range(len(draft) + 1):
-            token = self.sampler.sample(logits[i], self.output)
+            token = self._sample(logits[i])  # masked with the matcher's state after the tokens before
             emitted += self._emit(token)
             is_match = i < len(draft) and token == draft[i]
             matched += is_match
@@ -291,9 +311,16 @@ class Generation:
         self.speculation.record(drafter, len(draft), matched, time.perf_counter() - started)
         return StepOutput(emitted, self.finished, "decode")
 
+    def _sample(self, logits: torch.Tensor) -> int:
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
+        return self.sampler.sample(logits, self.output)
+
     def _emit(self, token: int) -> list[int]:
         """Commit one sampled token to the output; sets `finished` when generation must stop."""
         self.stats.generated_tokens += 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
         if token in self.engine.eos_token_ids:
             self.finished = "stop"
             return []

@@ -23,6 +23,7 @@ import torch
 from dflash.engine.disk_cache import DiskCache
 from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
 from dflash.engine.generate import Engine
+from dflash.engine.grammar import GrammarTokenizer
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer
@@ -108,6 +109,7 @@ def load_model(
         # One memory budget, split by slot share between the two tiers.
         prefix_cache=PrefixCache(prefix_cache_slots, _share(cache_budget_mib, prefix_cache_slots, prefill_cache_slots)),
         prompt_cache=PrefixCache(prefill_cache_slots, _share(cache_budget_mib, prefill_cache_slots, prefix_cache_slots)),
+        grammar_tokenizer_factory=lambda: GrammarTokenizer(tokenizer, model.args.vocab_size, eos_ids),
         disk_cache=(
             DiskCache(disk_cache_dir, disk_cache_mib << 20, model_identity(folder, dtype, max_ctx, tokenizer, draft_model))
             if disk_cache_dir and backend == "native"
