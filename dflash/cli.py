@@ -2,6 +2,7 @@
 
     dflash run CONFIG.toml [--host HOST] [--port PORT] [--model SOURCE]
     dflash chat "PROMPT" [--model SOURCE] [--dtype bfloat16] [--max-tokens N] [--threads N]
+    dflash train-drafter --target MODEL --out DIR [--layers N] [--block-size B] [--steps N] [--resume] ...
 
 Exit codes: 0 after a clean shutdown, 1 if the server failed, 2 for a bad command line or config.
 """
@@ -24,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(commands)
     _add_chat(commands)
+    _add_train_drafter(commands)
     args = parser.parse_args(argv)
     return args.handler(args)
 
@@ -90,6 +92,55 @@ def _chat(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write(detokenizer.flush() + "\n")
     generation.close()
+    return 0
+
+
+def _add_train_drafter(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser("train-drafter", help="train a DFlash drafter for a target model")
+    train.add_argument("--target", default=_MODEL_DEFAULTS.source, help="the target model source")
+    train.add_argument("--out", required=True, help="output folder (z-lab checkpoint layout + data + state)")
+    train.add_argument("--layers", type=int, default=1, help="draft layers")
+    train.add_argument("--block-size", type=int, default=8)
+    train.add_argument("--target-layer-ids", type=lambda text: tuple(int(x) for x in text.split(",")),
+                       help="comma-separated target layers to read (default: the reference rule)")
+    train.add_argument("--prompts", help="a text file, one prompt per line (default: the built-in set)")
+    train.add_argument("--prompt-count", type=int, default=400, help="prompts taken from the set")
+    train.add_argument("--tokens", type=int, default=128, help="reply tokens the target generates per prompt")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--anchors", type=int, default=16, help="blocks per sample per step")
+    train.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target dtype")
+    train.add_argument("--threads", type=int, default=_MODEL_DEFAULTS.threads)
+    train.add_argument("--resume", action="store_true", help="continue from the folder's last checkpoint")
+    train.set_defaults(handler=_train_drafter)
+
+
+def _train_drafter(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    logs.configure("warning", "console")
+    from dflash.engine.drafters.dflash import build_target_layer_ids
+    from dflash.engine.loading import ModelLoadError, load_model
+    from dflash.engine.train_drafter import TrainOptions, choose_mask_token, generate_data, train
+    from dflash.train_prompts import default_prompts
+
+    try:
+        loaded = load_model(args.target, dtype=args.dtype, threads=args.threads, max_ctx=_MODEL_DEFAULTS.max_ctx)
+    except ModelLoadError as exc:
+        print(f"dflash: {exc}", file=sys.stderr)
+        return 2
+    if args.prompts:
+        prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    else:
+        prompts = default_prompts(args.prompt_count)
+    layer_ids = args.target_layer_ids or tuple(build_target_layer_ids(loaded.engine.model.args.num_layers, args.layers))
+    out = Path(args.out)
+    shards = generate_data(loaded, prompts[: args.prompt_count], out, layer_ids, args.tokens)
+    options = TrainOptions(layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
+                           tokens_per_response=args.tokens, steps=args.steps, anchors=args.anchors)
+    summary = train(loaded, shards, out, options, choose_mask_token(loaded.tokenizer), resume=args.resume)
+    summary.pop("history")
+    print(json.dumps(summary, indent=2))
     return 0
 
 

@@ -1,0 +1,273 @@
+"""`dflash train-drafter`: train a DFlash drafter for a target model (shared notes §4).
+
+1. Data: the target answers each prompt greedily, the way it will be served, and the hidden states
+   of the chosen target layers are recorded during that generation (a recorder rides along as the
+   engine's drafter, so no second pass). Samples go to numbered shards; a rerun skips done prompts.
+2. Objective: blocks anchored at random response positions. Block b is [token a_b, MASK, ...] at
+   positions a_b..a_b+B-1; it sees the context rows before a_b plus its own rows, nothing else, so
+   one forward trains every block of a sample. Slot k (k >= 1) is scored by cross-entropy through
+   the frozen target LM head against token a_b+k, weighted exp(-(k-1)/gamma).
+3. Output: a z-lab layout checkpoint (config.json + model.safetensors) the server loads by path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash.engine.drafters.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    build_target_layer_ids,
+    random_draft_model,
+    save_dflash_checkpoint,
+)
+from dflash.engine.model import apply_rope, rope_tables
+from dflash.engine.sampling import SamplingParams
+
+
+@attrs.frozen
+class TrainOptions:
+    layers: int = 1
+    block_size: int = 8
+    target_layer_ids: tuple[int, ...] | None = None
+    tokens_per_response: int = 128  # reply length the target generates per prompt
+    steps: int = 1000
+    anchors: int = 16  # blocks per sample per step
+    learning_rate: float = 6e-4
+    gamma: float = 4.0
+    held_out: int = 8  # samples kept out of training for the acceptance estimate
+    seed: int = 0
+
+
+class HiddenRecorder:
+    """Rides along as the engine's drafter: keeps the captured target rows of the committed tokens."""
+
+    name = "recorder"
+
+    def __init__(self, layer_ids: Sequence[int]):
+        self.capture_layers = tuple(layer_ids)
+        self.rows: list[Tensor] = []
+        self.length = 0
+
+    def observe(self, start: int, hidden: list[Tensor]) -> None:
+        self.crop(start)
+        self.rows.append(torch.cat(hidden, dim=-1).to(torch.bfloat16))
+        self.length = start + self.rows[-1].shape[0]
+
+    def crop(self, length: int) -> None:
+        if length >= self.length:
+            return
+        joined = torch.cat(self.rows)[:length] if self.rows else None
+        self.rows = [joined] if joined is not None and length else []
+        self.length = length
+
+    def propose(self, tokens, max_tokens):
+        return []
+
+    def all_rows(self) -> Tensor:
+        return torch.cat(self.rows)
+
+
+def choose_mask_token(tokenizer) -> int:
+    """An existing, rarely used special token: the highest-id added token that is not one the
+    model uses as BOS, EOS, PAD or UNK (for SmolLM2, `<empty_output>`)."""
+    roles = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+    reserved = {i for i in roles if i is not None}
+    added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in reserved)
+    if not added:
+        raise ValueError("the tokenizer has no spare special token to use as the DFlash mask token")
+    return added[-1]
+
+
+def generate_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Sequence[int], tokens: int,
+                  progress: bool = True) -> list[Path]:
+    """Greedy replies with their hidden rows, one shard per prompt; existing shards are kept."""
+    from tqdm import tqdm
+
+    from dflash.chat.template import render_prompt
+
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    engine = loaded.engine
+    saved = engine.dflash_drafter
+    recorder = HiddenRecorder(layer_ids)
+    engine.dflash_drafter = recorder
+    shards = []
+    try:
+        for index, prompt in enumerate(tqdm(prompts, desc="generating", disable=not progress)):
+            shard = data / f"sample-{index:05d}.pt"
+            shards.append(shard)
+            if shard.exists():
+                continue
+            engine.rollback(0)
+            recorder.crop(0)
+            prompt_ids = render_prompt(loaded.tokenizer, [{"role": "user", "content": prompt}])
+            generation = engine.start(prompt_ids, SamplingParams(), tokens)
+            output = generation.run()
+            if len(output) < 2:
+                continue
+            # The last emitted token was never fed back: rows cover prompt + output[:-1].
+            sequence = prompt_ids + output[:-1]
+            rows = recorder.all_rows()[: len(sequence)]
+            temporary = shard.with_suffix(".tmp")
+            torch.save({"tokens": torch.tensor(sequence), "response_start": len(prompt_ids), "rows": rows}, temporary)
+            temporary.replace(shard)
+    finally:
+        engine.dflash_drafter = saved
+        engine.rollback(0)
+    return [s for s in shards if s.exists()]
+
+
+def block_batch(tokens: Tensor, response_start: int, anchors: int, block: int, rng: random.Random):
+    """Anchor positions a (a and a+1 inside the response, a+1 < len) for up to `anchors` blocks."""
+    length = tokens.shape[0]
+    candidates = list(range(response_start, length - 1))
+    if not candidates:
+        return []
+    return sorted(rng.sample(candidates, min(anchors, len(candidates))))
+
+
+def training_forward(draft: DFlashDraftModel, embed, lm_head, rows: Tensor, tokens: Tensor,
+                     anchors: list[int], block: int, mask_token: int) -> tuple[Tensor, Tensor]:
+    """Logits [N, B-1, V] for the masked slots of every block and their labels [N, B-1] (-1 = none)."""
+    c = draft.config
+    length = tokens.shape[0]
+    n = len(anchors)
+    starts = torch.tensor(anchors)
+    offsets = torch.arange(block)
+    positions = (starts[:, None] + offsets[None]).reshape(-1)  # [N*B]
+    block_ids = torch.full((n, block), mask_token, dtype=torch.long)
+    block_ids[:, 0] = tokens[starts]
+    labels = torch.full((n, block - 1), -1, dtype=torch.long)
+    for b, a in enumerate(anchors):
+        end = min(a + block, length)
+        labels[b, : end - a - 1] = tokens[a + 1 : end]
+    # Keys: context rows 0..L-1 then all block rows; a block sees context before its anchor + itself.
+    context_pos = torch.arange(length)
+    allowed_context = context_pos[None, :] < starts.repeat_interleave(block)[:, None]  # [N*B, L]
+    own_block = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool)] * n)  # [N*B, N*B]
+    mask = torch.cat([allowed_context, own_block], dim=1)
+    cos, sin = rope_tables(draft.inv_freq.float(), max(length, int(positions.max()) + 1), 1.0, draft.dtype, rows.device)
+    context = draft.project_context(rows)  # [L, H]
+    x = embed(block_ids.reshape(-1)).to(draft.dtype)  # [N*B, H]
+    key_positions = torch.cat([context_pos, positions])
+    for layer in draft.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(-1, c.num_heads, c.head_dim))
+        q = apply_rope(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+        kv_input = torch.cat([context, h])
+        k = attn.k_norm(attn.k_proj(kv_input).view(-1, c.num_kv_heads, c.head_dim))
+        k = apply_rope(k, cos[key_positions].unsqueeze(1), sin[key_positions].unsqueeze(1))
+        v = attn.v_proj(kv_input).view(-1, c.num_kv_heads, c.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, enable_gqa=True,
+        )[0].transpose(0, 1).reshape(x.shape[0], -1)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    out = draft.norm(x).view(n, block, -1)[:, 1:]
+    return lm_head(out.to(lm_head.weight.dtype)).float(), labels
+
+
+def slot_weights(block: int, gamma: float) -> Tensor:
+    return torch.tensor([math.exp(-(k - 1) / gamma) for k in range(1, block)])
+
+
+def acceptance_estimate(logits: Tensor, labels: Tensor) -> float:
+    """Mean tokens a verification would commit per block: 1 + the run of correct leading slots."""
+    correct = (logits.argmax(-1) == labels) & (labels >= 0)
+    run = torch.cumprod(correct.int(), dim=1).sum(dim=1).float()
+    return float(run.mean() + 1)
+
+
+def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_token: int,
+          resume: bool = False, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    target = loaded.engine.model
+    target.requires_grad_(False)  # frozen: only the drafter learns
+    a = target.args
+    layer_ids = options.target_layer_ids or tuple(build_target_layer_ids(a.num_layers, options.layers))
+    config = DFlashConfig(
+        hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=options.layers,
+        num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, block_size=options.block_size,
+        mask_token_id=mask_token, target_layer_ids=tuple(layer_ids), num_target_layers=a.num_layers,
+        vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_position_embeddings,
+    )
+    torch.manual_seed(options.seed)
+    draft = random_draft_model(config, seed=options.seed, dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=options.learning_rate, weight_decay=0.0)
+    state_path = out / "train_state.pt"
+    step = 0
+    if resume and state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    samples = [torch.load(s, weights_only=False) for s in shards]
+    held_out, training = samples[: options.held_out], samples[options.held_out :] or samples
+    weights = slot_weights(options.block_size, options.gamma)
+    embed, lm_head = target.embed, target.lm_head
+    rng = random.Random(options.seed + step)
+    history = {"loss": [], "acceptance": []}
+    bar = tqdm(total=options.steps, initial=step, desc="training", disable=not progress)
+    started = time.perf_counter()
+    while step < options.steps:
+        sample = training[rng.randrange(len(training))]
+        anchors = block_batch(sample["tokens"], sample["response_start"], options.anchors, options.block_size, rng)
+        if not anchors:
+            continue
+        lr = options.learning_rate * 0.5 * (1 + math.cos(math.pi * step / options.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        logits, labels = training_forward(draft, embed, lm_head, sample["rows"].float(), sample["tokens"], anchors,
+                                          options.block_size, mask_token)
+        per_slot = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")  # [N, B-1]
+        slot_weight = weights[None, :] * (labels >= 0)
+        loss = (per_slot * slot_weight).sum() / slot_weight.sum().clamp(min=1e-9)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        history["loss"].append(float(loss.detach()))
+        if step % 25 == 0 or step == options.steps:
+            estimate = evaluate(draft, embed, lm_head, held_out or training[:1], options, mask_token)
+            history["acceptance"].append(estimate)
+            bar.set_postfix(loss=f"{float(loss):.3f}", accept=f"{estimate:.2f}")
+            torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_path)
+        bar.update(1)
+    bar.close()
+    draft.eval()
+    save_dflash_checkpoint(draft.to(torch.bfloat16), out)
+    summary = {"steps": step, "seconds": round(time.perf_counter() - started, 1),
+               "final_loss": history["loss"][-1] if history["loss"] else None,
+               "held_out_acceptance": history["acceptance"][-1] if history["acceptance"] else None,
+               "samples": len(samples), "mask_token_id": mask_token, "target_layer_ids": list(layer_ids)}
+    (out / "training.json").write_text(json.dumps(summary, indent=2))
+    return {**summary, "history": history}
+
+
+@torch.no_grad()
+def evaluate(draft, embed, lm_head, samples: Iterable[dict], options: TrainOptions, mask_token: int) -> float:
+    rng = random.Random(1234)
+    estimates = []
+    for sample in samples:
+        anchors = block_batch(sample["tokens"], sample["response_start"], options.anchors, options.block_size, rng)
+        if anchors:
+            logits, labels = training_forward(draft, embed, lm_head, sample["rows"].float(), sample["tokens"],
+                                              anchors, options.block_size, mask_token)
+            estimates.append(acceptance_estimate(logits, labels))
+    return sum(estimates) / max(len(estimates), 1)

@@ -1,0 +1,48 @@
+"""A tiny end-to-end `train-drafter` run: the loss falls, and the output folder loads as a drafter
+that decodes losslessly."""
+
+import pytest
+
+from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
+from dflash.engine.generate import Engine
+from dflash.engine.loading import load_model
+from dflash.engine.sampling import SamplingParams
+from dflash.engine.speculative import SpeculationConfig
+from dflash.engine.train_drafter import TrainOptions, choose_mask_token, generate_data, train
+from tests.model.test_loading import write_hf_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target") / "tiny"
+    write_hf_folder(folder)
+    loaded = load_model(str(folder), dtype="float32", max_ctx=256, threads=1)
+    loaded.tokenizer.add_special_tokens({"additional_special_tokens": ["t126"]})
+    loaded.tokenizer.chat_template = "{% for m in messages %}t1 {{ m['content'] }} t3 {% endfor %}t4"
+    return loaded
+
+
+def test_tiny_training_run_learns_and_its_checkpoint_decodes_losslessly(tiny_target, tmp_path):
+    loaded = tiny_target
+    prompts = [f"t{5 + i} t{9 + i} t{20 + i}" for i in range(10)]
+    layer_ids = (0, 2)
+    shards = generate_data(loaded, prompts, tmp_path, layer_ids, tokens=24, progress=False)
+    assert len(shards) == 10
+    again = generate_data(loaded, prompts, tmp_path, layer_ids, tokens=24, progress=False)  # resumable: all done
+    assert again == shards
+    mask = choose_mask_token(loaded.tokenizer)
+    options = TrainOptions(block_size=4, target_layer_ids=layer_ids, steps=60, anchors=8, held_out=2,
+                           learning_rate=3e-3)
+    summary = train(loaded, shards, tmp_path, options, mask, progress=False)
+    losses = summary["history"]["loss"]
+    assert sum(losses[-10:]) / 10 < losses[0] * 0.85  # from near-uniform (ln 128 = 4.85) downwards
+
+    draft = load_dflash_checkpoint(tmp_path)
+    assert draft.config.mask_token_id == mask and draft.config.target_layer_ids == layer_ids
+    target = loaded.engine.model
+    prompt = [1, 5, 9, 20, 3, 4]
+    plain = Engine(target, max_ctx=256).start(prompt, SamplingParams(), 16).run()
+    drafter = DFlashDrafter(draft.float(), target, 256)
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
+    generation = Engine(target, max_ctx=256, speculation=config, dflash_drafter=drafter).start(prompt, SamplingParams(), 16)
+    assert generation.run() == plain and generation.stats.verification_steps > 0
