@@ -246,7 +246,7 @@ def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_tok
         if step % 25 == 0 or step == options.steps:
             estimate = evaluate(draft, embed, lm_head, held_out or training[:1], options, mask_token)
             history["acceptance"].append(estimate)
-            bar.set_postfix(loss=f"{float(loss):.3f}", accept=f"{estimate:.2f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", accept=f"{estimate:.2f}")
             torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_path)
         bar.update(1)
     bar.close()
