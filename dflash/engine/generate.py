@@ -138,6 +138,19 @@ class Engine:
             self.dflash_drafter.crop(kept)
         return kept
 
+    def extend_and_checkpoint(self, tokens: Sequence[int]) -> int:
+        """Agent turn cache: after a generation, compute `tokens` (the turn's pending last token
+        plus the template's closing tokens, e.g. `<|im_end|>\n`) into the live state and keep a
+        snapshot of it, so the next request — the turn re-rendered plus a tool result — restores
+        it even if other requests ran in between. Returns the committed length."""
+        if tokens:
+            if self.kv.length + len(tokens) > self.max_ctx:
+                return self.kv.length
+            for start in range(0, len(tokens), self.prefill_chunk):
+                self.forward(list(tokens[start : start + self.prefill_chunk]))
+        self.snapshot(self.prefix_cache)
+        return self.kv.length
+
     def grammar_tokenizer(self):
         if self._grammar_tokenizer is None:
             if self._grammar_tokenizer_factory is None:

@@ -115,3 +115,21 @@ def test_prefix_cache_respects_its_slot_count_and_memory_budget():
         prompt = [offset + 1] * 12
         engine.start(prompt, SamplingParams(), max_tokens=1, snapshot_at=[4, 8]).run()
         assert len(engine.prefix_cache) <= 3 and engine.prefix_cache.nbytes <= per_token * 20
+
+
+def test_a_checkpointed_turn_serves_the_follow_up_after_another_request():
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    engine.prefix_cache = PrefixCache(slots=4, budget_bytes=1 << 30)
+    first = engine.start(PROMPT, SamplingParams(), max_tokens=5)
+    turn = first.run()
+    closing = [2, 7]  # what the template writes after the turn
+    engine.extend_and_checkpoint(turn[-1:] + closing)
+    engine.start([100, 101, 102], SamplingParams(), max_tokens=2).run()  # someone else ran meanwhile
+    follow_up = PROMPT + turn + closing + [40, 41]  # + the tool result
+    generation = engine.start(follow_up, SamplingParams(), max_tokens=4)
+    out = generation.run()
+    assert generation.stats.cached_tokens == len(PROMPT) + len(turn) + len(closing)
+    assert generation.stats.prefilled_tokens == 2
+    assert out == reference_greedy(engine, follow_up, 4)
