@@ -36,8 +36,8 @@ ModelLoader = Callable[[Config], tuple[Any, ModelText]]
 def load_served_model(full_config: Config) -> tuple[Any, ModelText]:
     # Imported here, not at the top: they pull in transformers and the model code, which a server
     # on a fake engine (unit tests, bench --fake) never needs.
-    from dflash.chat.detokenize import IncrementalDetokenizer
-    from dflash.chat.template import render_prompt
+    from dflash.chat.detokenize import IncrementalDetokenizer, token_bytes
+    from dflash.chat.template import chat_template_for
     from dflash.engine.loading import load_model as load_engine_model
 
     from dflash.engine.speculative import SpeculationConfig
@@ -51,12 +51,16 @@ def load_served_model(full_config: Config) -> tuple[Any, ModelText]:
         draft_model=os.path.expanduser(spec.draft_model) if spec.draft_model else None,
         prefix_cache_slots=cache.prefix_cache_slots, prefill_cache_slots=cache.prefill_cache_slots,
         cache_budget_mib=cache.memory_budget_mib,
+        disk_cache_dir=os.path.expanduser(cache.disk_dir) if cache.disk_dir else None,
+        disk_cache_mib=cache.disk_max_mib,
     )
     text = ModelText(
         model_id=loaded.model_id,
         max_ctx=loaded.max_ctx,
-        render_prompt=partial(render_prompt, loaded.tokenizer),
+        template=chat_template_for(loaded.tokenizer),
         new_detokenizer=partial(IncrementalDetokenizer, loaded.tokenizer),
+        token_bytes=partial(token_bytes, loaded.tokenizer),
+        vocab_size=loaded.engine.vocab_size,
         aliases=config.aliases,
     )
     return loaded.engine, text

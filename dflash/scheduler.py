@@ -26,6 +26,7 @@ log = get_logger("dflash.scheduler")
 T = TypeVar("T")
 # How long stopping the engine thread may wait for a step still running (after a forced stop).
 JOIN_TIMEOUT_S = 30.0
+MIN_LOGPROB = -9999.0  # OpenAI's floor for "practically impossible"
 
 
 class QueueFull(Exception):
@@ -102,22 +103,34 @@ class EngineWorker:
 
 
 @attrs.frozen
+class TokenChoice:
+    """A generated token's log-probability under the sampling distribution, and the best alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@attrs.frozen
 class JobStep:
     tokens: list[int]  # committed in this step; empty for a prefill chunk
     phase: str  # "prefill" or "decode"
     finished: str | None  # "stop" or "length" on the last step
     stats: Any  # the engine's GenerationStats after this step (a copy)
+    logprobs: list[TokenChoice] | None = None  # one per token in `tokens`, when the job asked for them
 
 
 class Job:
     """One request's generation, queued or running. Use as `with scheduler.submit(...) as job:`."""
 
     def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: Any, max_tokens: int,
-                 request_id: str):
+                 request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None):
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.request_id = request_id
+        self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
+        self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
@@ -203,7 +216,8 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def submit(self, prompt_ids: list[int], sampling: Any, max_tokens: int, *, request_id: str = "") -> Job:
+    def submit(self, prompt_ids: list[int], sampling: Any, max_tokens: int, *, request_id: str = "",
+               snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None) -> Job:
         """Queue a job; raise QueueFull or ShuttingDown at once rather than make the client wait."""
         if self._closed:
             raise ShuttingDown()
@@ -212,7 +226,7 @@ class Scheduler:
         waiting = len(self._queue) - (0 if self._running is not None else 1)
         if waiting >= self.queue_max:
             raise QueueFull(self.queue_max)
-        job = Job(self, prompt_ids, sampling, max_tokens, request_id)
+        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs)
         self._queue.append(job)
         self._job_arrived.set()
         return job
@@ -257,10 +271,17 @@ class Scheduler:
             await self._job_arrived.wait()
         return self._queue.popleft()
 
+    def _start_generation(self, job: Job):
+        """In the engine thread."""
+        generation = self._engine.start(job.prompt_ids, job.sampling, job.max_tokens, snapshot_at=job.snapshot_at)
+        if job.top_logprobs is not None:
+            generation.sampler = LogprobRecorder(generation.sampler, job.top_logprobs)
+        return generation
+
     async def _run_job(self, job: Job) -> None:
         job._start()
         try:
-            generation = await self._worker.call(self._engine.start, job.prompt_ids, job.sampling, job.max_tokens)
+            generation = await self._worker.call(self._start_generation, job)
         except Exception as exc:
             log.exception("engine_start_failed", request_id=job.request_id)
             job._fail(EngineFailed(f"the engine could not start the generation: {exc}"))
@@ -268,7 +289,7 @@ class Scheduler:
         finished = False
         try:
             while not job.cancelled and not finished:
-                step = await self._worker.call(_take_step, generation)
+                step = await self._worker.call(_take_step, generation, job.top_logprobs is not None)
                 job._deliver(step)
                 finished = step.finished is not None
         except Exception as exc:
@@ -287,9 +308,50 @@ class Scheduler:
                          stop_ms=round((trio.current_time() - job.cancelled_at) * 1000, 1))
 
 
-def _take_step(generation) -> JobStep:
+def _take_step(generation, with_logprobs: bool) -> JobStep:
     """In the engine thread: one step, and a copy of the stats taken before the next step moves them."""
     output = generation.step()
-    return JobStep(tokens=list(output.tokens), phase=output.phase, finished=output.finished,
-                   stats=copy.copy(generation.stats))
+    tokens = list(output.tokens)
+    # The recorder saw every sampled token, an end-of-sequence one too, which is not in `tokens`.
+    logprobs = generation.sampler.take()[:len(tokens)] if with_logprobs else None
+    return JobStep(tokens=tokens, phase=output.phase, finished=output.finished, stats=copy.copy(generation.stats),
+                   logprobs=logprobs)
+
+
+class LogprobRecorder:
+    """Stands in for a generation's sampler and records, for each token it samples, the token's
+    log-probability under the distribution it was drawn from (after penalties, top-k, temperature
+    and top-p; at temperature 0, the softmax of the processed logits) and the best alternatives.
+
+    The engine's step output carries no probabilities, so they are taken here, at the one call
+    every sampled token passes through: prefill's last chunk, plain decode and each position a
+    speculative step verifies all go through `sample`, in order."""
+
+    def __init__(self, sampler, top: int):
+        self._sampler = sampler
+        self._top = top
+        self._recorded: list[TokenChoice] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._sampler, name)
+
+    def sample(self, logits, history) -> int:
+        import torch
+
+        token = self._sampler.sample(logits, history)
+        processed = self._sampler.process(logits, history)
+        if self._sampler.params.greedy:
+            logprobs = torch.log_softmax(processed.float(), dim=-1)
+        else:
+            logprobs = torch.log(self._sampler.probabilities(processed).float())
+        # A token the distribution excludes has log-probability -inf, which JSON cannot carry.
+        logprobs = logprobs.clamp(min=MIN_LOGPROB)
+        top = torch.topk(logprobs, self._top) if self._top else None
+        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        self._recorded.append(TokenChoice(token, float(logprobs[token]), alternatives))
+        return token
+
+    def take(self) -> list[TokenChoice]:
+        recorded, self._recorded = self._recorded, []
+        return recorded
 

@@ -43,6 +43,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: Sequence[tuple[str, str]] = ()):
+        # A message may quote the client's own text; an unpaired surrogate there (JSON allows
+        # "\ud800") would make the error body itself unencodable.
+        message = message.encode("utf-8", errors="backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message

@@ -1,25 +1,32 @@
-"""OpenAI Chat Completions: request JSON -> GenerationRequest, results -> response JSON and chunks.
+"""OpenAI Chat Completions: request JSON -> GenerationRequest; output events -> response and chunks.
 
-Pure functions. `null` means "the default", as in OpenAI's API. Fields this server does not
-implement yet (tools, logprobs, n, ...) are ignored rather than refused: real clients send them
-on every request.
+Pure: no I/O. `ChatCompletionRender` turns the canonical event stream into SSE chunks and, from the
+same events, the non-streaming body, so the two cannot disagree.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import attrs
 
-from dflash.protocols.canonical import DEFAULT_MAX_TOKENS, GenerationRequest, Sampling, Usage
+from dflash.protocols import fields
+from dflash.protocols.canonical import (DEFAULT_MAX_TOKENS, Finished, GenerationRequest, Logprobs, Message,
+                                        OutputEvent, OutputFormat, ReasoningDelta, Sampling, SSEEvent, TextDelta,
+                                        Thinking,
+                                        TokenLogprob, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolChoice,
+                                        ToolSpec, Usage, timings)
 from dflash.protocols.errors import APIError
+from dflash.protocols.fields import bad, path
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+         "function": "tool"}
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 @attrs.frozen
@@ -31,61 +38,330 @@ class CompletionHeader:
     model: str
 
 
+# ---- request ---------------------------------------------------------------------------------
+
 def parse_request(body: bytes) -> GenerationRequest:
-    payload = _json_object(body)
-    stream_options = payload.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise _bad("stream_options", "must be an object", stream_options)
+    payload = fields.json_object(body)
+    stream_options = fields.obj(payload, "stream_options") or {}
+    logprobs = bool(fields.boolean(payload, "logprobs"))
+    top_logprobs = fields.integer(payload, "top_logprobs", 0, low=0, high=MAX_TOP_LOGPROBS)
     return GenerationRequest(
         messages=_messages(payload.get("messages")),
-        model=_optional(payload, "model", str, "a string"),
-        sampling=Sampling(
-            temperature=_number(payload, "temperature", 0.0, low=0.0, high=2.0),
-            top_p=_number(payload, "top_p", 1.0, low=0.0, high=1.0),
-            seed=_seed(payload.get("seed")),
-        ),
-        max_tokens=_max_tokens(payload),
-        stop=_stop(payload.get("stop")),
-        stream=bool(_optional(payload, "stream", bool, "true or false")),
-        include_usage=bool(_optional(stream_options or {}, "include_usage", bool, "true or false")),
+        model=fields.string(payload, "model"),
+        tools=parse_tools(payload),
+        tool_choice=parse_tool_choice(payload.get("tool_choice")),
+        parallel_tool_calls=fields.boolean(payload, "parallel_tool_calls", default=True),
+        sampling=parse_sampling(payload),
+        max_tokens=parse_max_tokens(payload, MAX_TOKENS_FIELDS),
+        stop=fields.strings(payload, "stop"),
+        stream=bool(fields.boolean(payload, "stream")),
+        output_format=_response_format(fields.obj(payload, "response_format")),
+        thinking=parse_thinking(payload),
+        template_kwargs=fields.obj(payload, "chat_template_kwargs") or {},
+        n=fields.integer(payload, "n", 1, low=1, high=MAX_CHOICES),
+        logprobs=logprobs or bool(top_logprobs),
+        top_logprobs=top_logprobs,
+        include_usage=bool(fields.boolean(stream_options, "include_usage", "stream_options")),
+        metadata=_tracing(payload),
     )
 
 
-def render_completion(header: CompletionHeader, *, text: str, finish_reason: str, usage: Usage) -> dict:
-    return {
-        "id": header.id,
-        "object": "chat.completion",
-        "created": header.created,
-        "model": header.model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }],
-        "usage": render_usage(usage),
-    }
+def parse_sampling(payload: dict) -> Sampling:
+    """The sampling fields all three dialects share (spec/API.md "Sampling Chain")."""
+    repetition_penalty = "repetition_penalty" if payload.get("repetition_penalty") is not None else "rep_pen"
+    return Sampling(
+        temperature=fields.number(payload, "temperature", 0.0, low=0.0, high=2.0),
+        top_p=fields.number(payload, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
+        top_k=fields.integer(payload, "top_k", 0, low=0),
+        repetition_penalty=fields.number(payload, repetition_penalty, 1.0, low=0.0, high=10.0, low_open=True),
+        frequency_penalty=fields.number(payload, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        presence_penalty=fields.number(payload, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        rep_window=fields.integer(payload, "rep_window", 256, low=1),
+        logit_bias=fields.logit_bias(payload),
+        seed=fields.seed(payload),
+    )
 
 
-def render_chunk(header: CompletionHeader, *, delta: dict[str, Any], finish_reason: str | None = None,
-                 usage: Usage | None = None) -> dict:
-    """A stream chunk. Usage rides on the last chunk unless the client asked for a usage chunk."""
-    chunk = {
-        "id": header.id,
-        "object": "chat.completion.chunk",
-        "created": header.created,
-        "model": header.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if usage is not None:
-        chunk["usage"] = render_usage(usage)
-    return chunk
+def parse_max_tokens(payload: dict, names: tuple[str, ...]) -> int:
+    """The first of the alias fields that is set; the default when none is (never an error)."""
+    for name in names:
+        value = fields.integer(payload, name, None, low=1)
+        if value is not None:
+            return value
+    return DEFAULT_MAX_TOKENS
 
 
-def render_usage_chunk(header: CompletionHeader, usage: Usage) -> dict:
-    """The `stream_options.include_usage` chunk: no choices, only usage."""
-    return {"id": header.id, "object": "chat.completion.chunk", "created": header.created, "model": header.model,
-            "choices": [], "usage": render_usage(usage)}
+def parse_thinking(payload: dict) -> Thinking:
+    """reasoning.effort, then reasoning_effort, then chat_template_kwargs (the most direct) decide."""
+    reasoning = fields.obj(payload, "reasoning") or {}
+    effort = fields.string(reasoning, "effort", "reasoning") or fields.string(payload, "reasoning_effort")
+    enabled = None if effort is None else effort != "none"
+    kwargs = fields.obj(payload, "chat_template_kwargs") or {}
+    explicit = fields.boolean(kwargs, "enable_thinking", "chat_template_kwargs")
+    preserve = fields.boolean(kwargs, "preserve_thinking", "chat_template_kwargs")
+    return Thinking(enabled=enabled if explicit is None else explicit, effort=effort, preserve=preserve)
+
+
+def parse_tools(payload: dict) -> tuple[ToolSpec, ...]:
+    tools = fields.array(payload, "tools") or []
+    parsed = []
+    for index, tool in enumerate(tools):
+        where = path("tools", index)
+        if not isinstance(tool, dict):
+            raise bad(where, "must be an object", tool)
+        kind = fields.string(tool, "type", where, default="function")
+        if kind == "function":
+            function = fields.required(tool, "function", where)
+            if not isinstance(function, dict):
+                raise bad(path(where, "function"), "must be an object", function)
+            parsed.append(function_tool(function, path(where, "function")))
+        elif kind == "custom":
+            custom = fields.obj(tool, "custom", where) or {}
+            parsed.append(ToolSpec(name=_tool_name(custom, path(where, "custom")),
+                                   description=fields.string(custom, "description", where, default=""),
+                                   kind="custom"))
+    return tuple(parsed)
+
+
+def function_tool(function: dict, where: str, *, schema_key: str = "parameters") -> ToolSpec:
+    parameters = fields.obj(function, schema_key, where)
+    return ToolSpec(name=_tool_name(function, where),
+                    description=fields.string(function, "description", where, default=""),
+                    parameters=parameters if parameters is not None else {"type": "object", "properties": {}})
+
+
+def _tool_name(tool: dict, where: str) -> str:
+    name = fields.string(tool, "name", where)
+    if not name:
+        raise bad(path(where, "name"), "must be a non-empty string", tool.get("name"))
+    return name
+
+
+def parse_tool_choice(choice: Any, where: str = "tool_choice") -> ToolChoice:
+    if choice is None:
+        return ToolChoice()
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad(where, "must be auto, none, required or a named tool", choice)
+        return ToolChoice(choice)
+    if not isinstance(choice, dict):
+        raise bad(where, "must be a string or an object", choice)
+    named = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+    name = named.get("name")
+    if isinstance(name, str) and name:
+        return ToolChoice("required", name)
+    return ToolChoice()  # allowed_tools and other shapes: the model chooses
+
+
+def _response_format(value: dict | None) -> OutputFormat:
+    if not value:
+        return OutputFormat()
+    kind = fields.string(value, "type", "response_format", default="text")
+    if kind == "json_schema":
+        spec = fields.obj(value, "json_schema", "response_format") or {}
+        return OutputFormat("json_schema", fields.obj(spec, "schema", "response_format.json_schema"),
+                            fields.string(spec, "name", "response_format.json_schema"))
+    if kind not in ("text", "json_object"):
+        raise bad("response_format.type", "must be text, json_object or json_schema", kind)
+    return OutputFormat(kind)
+
+
+def _tracing(payload: dict) -> dict[str, Any]:
+    user = fields.string(payload, "user")
+    metadata = fields.obj(payload, "metadata") or {}
+    return {**metadata, **({"user": user} if user else {})}
+
+
+def _messages(messages: Any) -> tuple[Message, ...]:
+    if messages is None:
+        raise APIError(400, "'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "must be a non-empty array", messages)
+    return tuple(_message(index, message) for index, message in enumerate(messages))
+
+
+def _message(index: int, message: Any) -> Message:
+    where = path("messages", index)
+    if not isinstance(message, dict):
+        raise bad(where, "must be an object", message)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad(path(where, "role"), f"must be one of {', '.join(ROLES)}", role)
+    content = content_text(path(where, "content"), message.get("content"))
+    if ROLES[role] == "assistant":
+        reasoning = fields.string(message, "reasoning_content", where) or fields.string(message, "reasoning", where)
+        return Message("assistant", content, reasoning=reasoning, tool_calls=_tool_calls(message, where))
+    if ROLES[role] == "tool":
+        return Message("tool", content, tool_call_id=fields.string(message, "tool_call_id", where),
+                       name=fields.string(message, "name", where))
+    return Message(ROLES[role], content)
+
+
+def content_text(where: str, content: Any) -> str:
+    """A string, or an array of parts whose text parts are joined; other parts (images) are dropped."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(where, "must be a string or an array of content parts", content)
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad(path(where, index), "must be an object with a 'type'", part)
+        if part["type"] in TEXT_PART_TYPES:
+            texts.append(fields.string(part, "text", path(where, index), default=""))
+    return "".join(texts)
+
+
+def _tool_calls(message: dict, where: str) -> tuple[ToolCall, ...]:
+    calls = fields.array(message, "tool_calls", where) or []
+    parsed = []
+    for index, call in enumerate(calls):
+        at = path(path(where, "tool_calls"), index)
+        if not isinstance(call, dict):
+            raise bad(at, "must be an object", call)
+        call_id = fields.string(call, "id", at, default="")
+        if call.get("type") == "custom":
+            custom = fields.obj(call, "custom", at) or {}
+            parsed.append(ToolCall(call_id, fields.string(custom, "name", at, default=""),
+                                   fields.string(custom, "input", at, default=""), "custom"))
+            continue
+        function = fields.obj(call, "function", at) or {}
+        arguments = function.get("arguments")
+        if arguments is not None and not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)  # lenient: an object instead of its JSON text
+        parsed.append(ToolCall(call_id, fields.string(function, "name", path(at, "function"), default=""),
+                               arguments or "{}"))
+    return tuple(parsed)
+
+
+# ---- response ----------------------------------------------------------------------------------
+
+@attrs.define
+class _Choice:
+    reasoning: str = ""
+    text: str = ""
+    tool_calls: list[dict] = attrs.field(factory=list)
+    call_kinds: dict[int, str] = attrs.field(factory=dict)  # call index -> "function" or "custom"
+    logprobs: list[dict] = attrs.field(factory=list)
+    pending_logprobs: list[dict] = attrs.field(factory=list)  # to ride on the next chunk
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class ChatCompletionRender:
+    """One completion (with `n` choices) as chunks and as a body."""
+
+    def __init__(self, header: CompletionHeader, request: GenerationRequest):
+        self.header = header
+        self._include_usage = request.include_usage
+        self._logprobs = request.logprobs
+        self._choices: dict[int, _Choice] = {}
+
+    def opening(self, index: int = 0) -> list[SSEEvent]:
+        self._choices[index] = _Choice()
+        return [self._chunk(index, {"role": "assistant", "content": ""})]
+
+    def events(self, event: OutputEvent, index: int = 0) -> list[SSEEvent]:
+        choice = self._choices[index]
+        if isinstance(event, TextDelta):
+            choice.text += event.text
+            return [self._chunk(index, {"content": event.text})]
+        if isinstance(event, ReasoningDelta):
+            choice.reasoning += event.text
+            return [self._chunk(index, {"reasoning_content": event.text})]
+        if isinstance(event, ToolCallStart):
+            choice.call_kinds[event.index] = event.kind
+            return [self._chunk(index, {"tool_calls": [_call_start(event)]})]
+        if isinstance(event, ToolCallDelta):
+            kind = choice.call_kinds.get(event.index, "function")
+            key = "input" if kind == "custom" else "arguments"
+            return [self._chunk(index, {"tool_calls": [{"index": event.index, kind: {key: event.arguments}}]})]
+        if isinstance(event, ToolCallEnd):
+            choice.tool_calls.append(render_tool_call(event.call))
+            return []
+        if isinstance(event, Logprobs):
+            rendered = [render_logprob(token) for token in event.tokens]
+            if self._logprobs:
+                choice.logprobs += rendered
+                choice.pending_logprobs += rendered
+            return []
+        if isinstance(event, Finished):
+            choice.finish_reason = FINISH_REASONS[event.reason]
+            choice.usage = event.usage
+            return [self._chunk(index, {}, finish_reason=choice.finish_reason,
+                                usage=None if self._include_usage else event.usage)]
+        raise TypeError(f"not an output event: {event!r}")
+
+    def closing(self) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        if self._include_usage:
+            events.append((None, {**self._base("chat.completion.chunk"), "choices": [],
+                                  "usage": render_usage(self.usage)}))
+        return [*events, (None, "[DONE]")]
+
+    def failure(self, error: APIError) -> list[SSEEvent]:
+        """After the SSE headers went out the status line is spent: the error rides in the stream."""
+        return [(None, {"error": {"message": error.message, "type": error_type(error), "param": error.param,
+                                  "code": error.code or error.status}}), (None, "[DONE]")]
+
+    @property
+    def usage(self) -> Usage:
+        total = Usage()
+        for choice in self._choices.values():
+            total = total + (choice.usage or Usage())
+        return total
+
+    def body(self) -> dict:
+        return {**self._base("chat.completion"),
+                "choices": [self._choice_body(index, choice) for index, choice in sorted(self._choices.items())],
+                "usage": render_usage(self.usage)}
+
+    def _choice_body(self, index: int, choice: _Choice) -> dict:
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": choice.text if choice.text or not choice.tool_calls else None}
+        if choice.reasoning:
+            message["reasoning_content"] = choice.reasoning
+        if choice.tool_calls:
+            message["tool_calls"] = choice.tool_calls
+        return {"index": index, "message": message,
+                "logprobs": {"content": choice.logprobs, "refusal": None} if self._logprobs else None,
+                "finish_reason": choice.finish_reason}
+
+    def _chunk(self, index: int, delta: dict, *, finish_reason: str | None = None,
+               usage: Usage | None = None) -> SSEEvent:
+        choice = self._choices[index]
+        logprobs = None
+        if self._logprobs:
+            logprobs, choice.pending_logprobs = {"content": choice.pending_logprobs, "refusal": None}, []
+        chunk = {**self._base("chat.completion.chunk"),
+                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if usage is not None:
+            chunk["usage"] = render_usage(usage)
+        return None, chunk
+
+    def _base(self, kind: str) -> dict:
+        return {"id": self.header.id, "object": kind, "created": self.header.created, "model": self.header.model}
+
+
+def _call_start(event: ToolCallStart) -> dict:
+    if event.kind == "custom":
+        return {"index": event.index, "id": event.id, "type": "custom", "custom": {"name": event.name, "input": ""}}
+    return {"index": event.index, "id": event.id, "type": "function",
+            "function": {"name": event.name, "arguments": ""}}
+
+
+def render_tool_call(call: ToolCall) -> dict:
+    if call.kind == "custom":
+        return {"id": call.id, "type": "custom", "custom": {"name": call.name, "input": call.arguments}}
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def render_logprob(token: TokenLogprob) -> dict:
+    return {"token": token.token, "logprob": token.logprob, "bytes": list(token.token_bytes),
+            "top_logprobs": [{"token": text, "logprob": logprob, "bytes": list(raw)}
+                             for text, logprob, raw in token.top]}
 
 
 def render_usage(usage: Usage) -> dict:
@@ -94,116 +370,9 @@ def render_usage(usage: Usage) -> dict:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "timings": {
-            "prompt_tokens": usage.prompt_tokens,
-            "prefilled_tokens": usage.prefilled_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "prefill_ms": round(usage.prefill_ms, 3),
-            "decode_ms": round(usage.decode_ms, 3),
-        },
+        "timings": timings(usage),
     }
 
 
-def render_stream_error(error: APIError) -> dict:
-    """An error after the SSE headers went out: the status line is spent, so it rides in the stream."""
-    return {"error": {"message": error.message, "type": "server_error" if error.status >= 500 else
-                      "invalid_request_error", "param": error.param, "code": error.code or error.status}}
-
-
-def _json_object(body: bytes) -> dict:
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(payload).__name__}")
-    return payload
-
-
-def _messages(messages: Any) -> list[dict]:
-    if messages is None:
-        raise APIError(400, "'messages' is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "must be a non-empty array", messages)
-    return [_message(index, message) for index, message in enumerate(messages)]
-
-
-def _message(index: int, message: Any) -> dict:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise _bad(where, "must be an object", message)
-    role = message.get("role")
-    if role not in ROLES:
-        raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}", role)
-    return {"role": role, "content": _content(f"{where}.content", message.get("content"))}
-
-
-def _content(where: str, content: Any) -> str:
-    """A string, or an array of parts whose text parts are joined; other parts (images) are dropped."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or an array of content parts", content)
-    texts = []
-    for index, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _bad(f"{where}[{index}]", "must be an object with a 'type'", part)
-        if part["type"] in TEXT_PART_TYPES:
-            if not isinstance(part.get("text"), str):
-                raise _bad(f"{where}[{index}].text", "must be a string", part.get("text"))
-            texts.append(part["text"])
-    return "".join(texts)
-
-
-def _max_tokens(payload: dict) -> int:
-    for field in MAX_TOKENS_FIELDS:
-        value = payload.get(field)
-        if value is None:
-            continue
-        if type(value) is not int or value < 1:
-            raise _bad(field, "must be a positive integer", value)
-        return value
-    return DEFAULT_MAX_TOKENS
-
-
-def _number(payload: dict, field: str, default: float, *, low: float, high: float) -> float:
-    value = payload.get(field)
-    if value is None:
-        return default
-    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
-        raise _bad(field, f"must be a number from {low:g} to {high:g}", value)
-    return float(value)
-
-
-def _seed(value: Any) -> int | None:
-    if value is None:
-        return None
-    if type(value) is not int or not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
-        raise _bad("seed", "must be an integer", value)
-    return value
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise _bad("stop", "must be a string or an array of strings", value)
-    return tuple(item for item in value if item)
-
-
-def _optional(payload: dict, field: str, expected_type: type, expected: str):
-    value = payload.get(field)
-    if value is not None and type(value) is not expected_type:
-        raise _bad(field, f"must be {expected}", value)
-    return value
-
-
-def _bad(param: str, problem: str, value: Any) -> APIError:
-    shown = json.dumps(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return APIError(400, f"'{param}' {problem}, got {shown}", param=param)
+def error_type(error: APIError) -> str:
+    return "server_error" if error.status >= 500 else "invalid_request_error"

@@ -4,55 +4,12 @@ and the official `openai` SDK. Replies are kept short: the point is the wire, no
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
-ROOT = Path(__file__).parents[2]
-START_TIMEOUT_S = 300
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("server")
-    config = folder / "server.toml"
-    config.write_text('[server]\nport = 0\nshutdown_grace_s = 5\n[model]\nmax_ctx = 1024\n'
-                      '[logging]\nformat = "json"\n')
-    log_path = folder / "server.log"
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "dflash.cli", "run", str(config)], cwd=ROOT,
-                                   stdout=log_file, stderr=log_file,
-                                   env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    try:
-        started = _wait_for_start(process, log_path)
-        yield started["listening"], started["model"]
-        process.send_signal(signal.SIGTERM)
-        exit_code = process.wait(timeout=30)
-        assert exit_code == 0, f"exit code {exit_code} after SIGTERM:\n{log_path.read_text()[-3000:]}"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def _wait_for_start(process: subprocess.Popen, log_path: Path) -> dict:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for line in log_path.read_text().splitlines():
-            if line.startswith("{") and json.loads(line).get("event") == "started":
-                return json.loads(line)
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
-    pytest.fail(f"the server did not start within {START_TIMEOUT_S}s")
 
 
 def test_httpx_non_streaming(server):

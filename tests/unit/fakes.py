@@ -1,5 +1,7 @@
 """A fake model for server tests: the engine contract of dflash/engine/generate.py, and a
-byte-level text side (token id = byte value, EOS = 256), with configurable slow steps.
+byte-level text side (token id = byte value, EOS = 256) with a ChatML template (the embedded
+SmolLM2's), with configurable slow steps. The engine replies with scripted text, so a test can
+make the "model" write reasoning, tool calls or stop strings, split one byte per token.
 
 Also a launcher for bench/ and subprocess tests:
     python -m tests.unit.fakes CONFIG.toml [--prefill-step-ms MS] [--decode-step-ms MS] [--prefill-chunk N]
@@ -17,10 +19,21 @@ from functools import partial
 import attrs
 
 from dflash.api import ModelText
+from dflash.chat.template import ChatTemplate, Tokenized
 from dflash.config import Config
+from dflash.protocols.canonical import GenerationRequest, Message
 
 EOS = 256
+VOCAB_SIZE = 257
 REPLY = "Hello from the fake engine. "
+# SmolLM2-135M-Instruct's template: ChatML with a default system turn, and no notion of tools.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SCRIPTED_LOGIT = 5.0  # the scripted token's logit; every other token's is 0
 
 
 @attrs.define
@@ -31,6 +44,37 @@ class FakeStats:
     generated_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verification_steps: int = 0
+
+
+class ScriptedSampler:
+    """The sampler of a FakeGeneration: it "samples" the next byte of the script, and shows a
+    distribution that favours that byte (for the scheduler's logprob recorder)."""
+
+    def __init__(self, engine: FakeEngine, sampling):
+        self._script = engine.reply.encode()
+        self._endless = engine.endless
+        self.params = sampling
+
+    def sample(self, logits, history: list[int]) -> int:
+        index = len(history)
+        if self._endless:
+            return self._script[index % len(self._script)]
+        return self._script[index] if index < len(self._script) else EOS
+
+    def process(self, logits, history: list[int]):
+        import torch
+
+        processed = torch.zeros(VOCAB_SIZE)
+        processed[self.sample(logits, history)] = SCRIPTED_LOGIT
+        return processed
+
+    def probabilities(self, processed):
+        import torch
+
+        return torch.softmax(processed, dim=-1)
 
 
 @attrs.define
@@ -41,17 +85,20 @@ class FakeStepOutput:
 
 
 class FakeGeneration:
-    def __init__(self, engine: FakeEngine, prompt_ids: list[int], sampling, max_tokens: int):
+    def __init__(self, engine: FakeEngine, prompt_ids: list[int], sampling, max_tokens: int,
+                 snapshot_at=()):
         self._engine = engine
         self.prompt_ids = list(prompt_ids)
         self.sampling = sampling
         self.max_tokens = max_tokens
+        self.snapshot_at = tuple(snapshot_at)
+        self.sampler = ScriptedSampler(engine, sampling)
+        self.output: list[int] = []
         self.finished: str | None = None
         self.stats = FakeStats(prompt_tokens=len(prompt_ids))
         self.step_starts: list[float] = []  # time.monotonic() at the start of each step
         self.closed_at: float | None = None
         self._prefilled = 0
-        self._reply = engine.reply.encode()
 
     @property
     def closed(self) -> bool:
@@ -82,18 +129,16 @@ class FakeGeneration:
     def _decode_one(self) -> FakeStepOutput:
         began = time.monotonic()
         time.sleep(self._engine.decode_step_s)
-        index = self.stats.generated_tokens
-        if self._engine.endless:
-            token = self._reply[index % len(self._reply)]
-        else:
-            token = self._reply[index] if index < len(self._reply) else EOS
+        token = self.sampler.sample(None, self.output)
         self.stats.generated_tokens += 1
         if token == EOS:
             self.finished = "stop"
-        elif self.stats.generated_tokens >= self.max_tokens:
-            self.finished = "length"
+        else:
+            self.output.append(token)
+            if self.stats.generated_tokens >= self.max_tokens:
+                self.finished = "length"
         self.stats.decode_ms += (time.monotonic() - began) * 1000
-        return FakeStepOutput(tokens=[token], finished=self.finished, phase="decode")
+        return FakeStepOutput(tokens=[token] if token != EOS else [], finished=self.finished, phase="decode")
 
     def close(self) -> None:
         if self.closed_at is None:
@@ -119,13 +164,14 @@ class FakeEngine:
         self.live: FakeGeneration | None = None
         self.threads: set[str] = set()
 
-    def start(self, prompt_ids: list[int], sampling, max_tokens: int, stop_token_ids=()) -> FakeGeneration:
+    def start(self, prompt_ids: list[int], sampling, max_tokens: int, stop_token_ids=(),
+              snapshot_at=()) -> FakeGeneration:
         self.threads.add(threading.current_thread().name)
         if self.live is not None:
             raise RuntimeError("start() while another generation is live")
         if len(prompt_ids) > self.max_ctx:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than max_ctx {self.max_ctx}")
-        self.live = FakeGeneration(self, prompt_ids, sampling, max_tokens)
+        self.live = FakeGeneration(self, prompt_ids, sampling, max_tokens, snapshot_at)
         self.generations.append(self.live)
         return self.live
 
@@ -138,9 +184,24 @@ class FakeEngine:
             self.live = None
 
 
-def render_prompt(messages: list[dict]) -> list[int]:
-    text = "".join(f"{message['role']}: {message['content']}\n" for message in messages) + "assistant: "
-    return list(text.encode())
+def byte_tokenize(text: str) -> Tokenized:
+    """One token per UTF-8 byte; each token starts at the text offset of its character."""
+    ids: list[int] = []
+    starts: list[int] = []
+    for offset, char in enumerate(text):
+        encoded = char.encode()
+        ids += encoded
+        starts += [offset] * len(encoded)
+    return Tokenized(ids, starts)
+
+
+FAKE_TEMPLATE = ChatTemplate(CHATML_TEMPLATE, tokenize=byte_tokenize)
+
+
+def prompt_tokens(*contents: str) -> int:
+    """The fake prompt's length for user messages with these contents (no tools)."""
+    messages = tuple(Message("user", content) for content in contents)
+    return len(FAKE_TEMPLATE.render(GenerationRequest(messages)).token_ids)
 
 
 class FakeDetokenizer:
@@ -157,8 +218,9 @@ class FakeDetokenizer:
 
 
 def fake_text(max_ctx: int, aliases: tuple[str, ...] = ()) -> ModelText:
-    return ModelText(model_id="fake-model", max_ctx=max_ctx, render_prompt=render_prompt,
-                     new_detokenizer=FakeDetokenizer, aliases=aliases)
+    return ModelText(model_id="fake-model", max_ctx=max_ctx, template=FAKE_TEMPLATE, new_detokenizer=FakeDetokenizer,
+                     token_bytes=lambda token_id: bytes([token_id]) if token_id < 256 else b"",
+                     vocab_size=VOCAB_SIZE, aliases=aliases)
 
 
 def fake_loader(engine: FakeEngine):

@@ -7,7 +7,7 @@ import json
 import trio
 
 from tests.unit.conftest import wait_until
-from tests.unit.fakes import REPLY, FakeEngine
+from tests.unit.fakes import REPLY, FakeEngine, prompt_tokens
 from tests.unit.rawhttp import RawClient, request, sse_data
 
 CHAT = "/v1/chat/completions"
@@ -40,15 +40,13 @@ async def test_non_streaming_reply_has_the_openai_shape_and_usage(start_server):
     assert choice["message"] == {"role": "assistant", "content": REPLY}
     assert choice["finish_reason"] == "stop"
     usage = body["usage"]
-    prompt_tokens = len(b"user: hi\nassistant: ")
-    assert usage["prompt_tokens"] == prompt_tokens
+    assert usage["prompt_tokens"] == prompt_tokens("hi")
     assert usage["completion_tokens"] == len(REPLY) + 1  # the EOS counts
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     timings = usage["timings"]
-    assert timings["prompt_tokens"] == prompt_tokens
-    assert timings["prefilled_tokens"] == prompt_tokens
-    assert timings["cached_tokens"] == 0
-    assert {"prefill_ms", "decode_ms"} <= timings.keys()
+    assert timings["prompt_tokens"] == timings["prefilled_tokens"] == prompt_tokens("hi")
+    assert timings["cached_prefix_tokens"] == 0
+    assert {"prefill_ms", "decode_ms", "draft_tokens", "accepted_tokens", "acceptance_length"} <= timings.keys()
 
 
 async def test_streaming_reply_chunks_end_with_done(start_server):
@@ -84,8 +82,7 @@ async def test_max_tokens_ends_with_length(start_server):
 
 
 async def test_max_tokens_is_clamped_to_the_room_left_in_the_context(start_server):
-    prompt_tokens = len(b"user: hi\nassistant: ")
-    served = await start_server(FakeEngine(max_ctx=prompt_tokens + 3))
+    served = await start_server(FakeEngine(max_ctx=prompt_tokens("hi") + 3))
     body = (await request(served.port, "POST", CHAT, json_body=chat_body(max_tokens=1000))).json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3
@@ -97,8 +94,9 @@ async def test_a_prompt_that_does_not_fit_gets_openais_context_length_error(star
         messages=[{"role": "user", "content": "x" * 100}], max_tokens=10))
     assert reply.status == 400
     error = reply.json()["error"]
-    assert error["message"].startswith("This model's maximum context length is 64 tokens. However, you "
-                                       "requested 128 tokens (118 in the messages, 10 in the completion).")
+    length = prompt_tokens("x" * 100)
+    assert error["message"].startswith(f"This model's maximum context length is 64 tokens. However, you requested "
+                                       f"{length + 10} tokens ({length} in the messages, 10 in the completion).")
     assert error["code"] == "context_length_exceeded"
     assert not served.engine.generations
 

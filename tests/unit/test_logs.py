@@ -16,7 +16,8 @@ from tests.unit.rawhttp import RawClient, request
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "secret code"}], "max_tokens": 5}
 FIELDS = {"id", "method", "path", "status", "dialect", "prompt_tokens", "cached_tokens", "prefilled_tokens",
-          "completion_tokens", "finish_reason", "queue_ms", "prefill_ms", "decode_ms", "client_disconnected"}
+          "completion_tokens", "finish_reason", "queue_ms", "prefill_ms", "decode_ms", "client_disconnected",
+          "draft_tokens", "accepted_tokens", "acceptance_length"}
 
 
 def request_lines(captured: list[dict]) -> list[dict]:
@@ -42,7 +43,7 @@ async def test_log_text_adds_prompt_and_completion(start_server):
         await request(served.port, "POST", CHAT, json_body=BODY)
         await wait_until(lambda: request_lines(captured))
     (line,) = request_lines(captured)
-    assert line["prompt_text"] == BODY["messages"]
+    assert line["prompt_text"].endswith("<|im_start|>user\nsecret code<|im_end|>\n<|im_start|>assistant\n")
     assert line["completion_text"] == "Hello"
 
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash.stop_strings import StopStrings
+from dflash.chat.parser import StopStrings
 
 
 def run(stops, pieces):
     matcher = StopStrings(stops)
     out = "".join(matcher.push(piece) for piece in pieces)
-    return out + matcher.flush(), matcher.hit
+    return out + matcher.flush(), matcher.hit is not None
 
 
 def test_no_stop_strings_pass_everything_through():
