@@ -151,7 +151,8 @@ UPCAST_MIN_ROWS = 17
 
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] >= UPCAST_MIN_ROWS and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        rows = x.numel() // x.shape[-1]
+        if rows >= UPCAST_MIN_ROWS and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
