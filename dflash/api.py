@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -19,10 +20,12 @@ from typing import Any, Protocol
 import attrs
 
 from dflash import __version__
+from dflash.chat.constraints import Constraint, GrammarPart, reply_constraint
 from dflash.chat.parser import OutputParser, new_call_id
 from dflash.chat.template import RenderedPrompt
 from dflash.chat.tool_memory import ToolMemory
 from dflash.config import Config
+from dflash.engine.grammar import GrammarError, json_schema_grammar, lark_grammar, regex_grammar
 from dflash.engine.sampling import SamplingParams
 from dflash.http.routing import CORSPolicy, Router
 from dflash.http.server import Handler, Request, Response, ResponseWriter
@@ -36,6 +39,7 @@ from dflash.protocols.response_store import ResponseStore
 from dflash.scheduler import EngineFailed, Job, JobStep, QueueFull, Scheduler, ShuttingDown
 
 RETRY_AFTER_S = 1
+CHECKED_GRAMMARS_KEPT = 256  # grammars known valid; an agent sends the same tools and schema every turn
 RESPONSES_PATH = "/v1/responses"
 
 
@@ -118,6 +122,7 @@ class _Served:
     prompt: RenderedPrompt
     max_tokens: int
     call_id: Callable[[], str]
+    constraint: Constraint | None = None  # what the reply must follow (output format, forced tool call)
     usage: Usage = Usage()
     finish_reasons: list[str] = attrs.field(factory=list)
     texts: list[str] = attrs.field(factory=list)
@@ -135,6 +140,7 @@ class API:
         self._created = int(time.time())
         self.tool_memory = ToolMemory()
         self.responses = ResponseStore()
+        self._checked_grammars: OrderedDict[str, None] = OrderedDict()
 
     def router(self) -> Router:
         routes = {
@@ -243,13 +249,15 @@ class API:
         prompt = self._render(request)
         self._check_logit_bias(request)
         max_tokens = self._fit_max_tokens(len(prompt.token_ids), request.max_tokens)
-        return _Served(request, prompt, max_tokens, call_id)
+        constraint = reply_constraint(request, starts_in_thinking=prompt.starts_in_thinking)
+        return _Served(request, prompt, max_tokens, call_id, constraint)
 
     async def _answer(self, request: Request, writer: ResponseWriter, served: _Served,
                       render: Renderer) -> Response | None:
         if self._log_text:
             request.log["prompt_text"] = served.prompt.text
-        first_job = self._submit(request, served)  # a full queue is a 429 before anything is sent
+        grammar = await self._checked_grammar(served.constraint)  # a bad schema is a 400 before anything is sent
+        first_job = self._submit(request, served, grammar)  # a full queue is a 429 before anything is sent
         try:
             if served.request.stream:
                 await self._stream(writer, served, render, first_job, request)
@@ -286,7 +294,7 @@ class API:
         """The request's generations, one after another (`n` of them for Chat Completions). The
         renderer sees every event either way; `send` streams what it makes of them."""
         for index in range(served.request.n):
-            job = first_job if index == 0 else self._submit(request, served)
+            job = first_job if index == 0 else self._submit(request, served, first_job.grammar)
             with job:
                 await job.wait_started()
                 await send(render.opening(index))
@@ -359,7 +367,31 @@ class API:
             raise context_length_error(self._model.max_ctx, prompt_tokens, max_tokens)
         return min(max_tokens, room)
 
-    def _submit(self, request: Request, served: _Served) -> Job:
+    async def _checked_grammar(self, constraint: Constraint | None) -> str | None:
+        """The constraint compiled for the engine, and checked: each piece the client wrote on its
+        own first, so that a 400 names the schema or grammar at fault."""
+        if constraint is None:
+            return None
+        grammar = _compiled(constraint)
+        if grammar in self._checked_grammars:
+            self._checked_grammars.move_to_end(grammar)
+            return grammar
+        for part in constraint.parts:
+            try:
+                await self._scheduler.check_grammar(_part_grammar(part))
+            except GrammarError as exc:
+                raise APIError(400, f"{part.where} is invalid or unsupported for constrained decoding: {exc}",
+                               param=part.param) from None
+        try:
+            await self._scheduler.check_grammar(grammar)
+        except GrammarError as exc:
+            raise APIError(400, f"the request's output constraints cannot be combined: {exc}") from None
+        self._checked_grammars[grammar] = None
+        if len(self._checked_grammars) > CHECKED_GRAMMARS_KEPT:
+            self._checked_grammars.popitem(last=False)
+        return grammar
+
+    def _submit(self, request: Request, served: _Served, grammar: str | None) -> Job:
         sampling = served.request.sampling
         params = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
@@ -369,7 +401,8 @@ class API:
         top_logprobs = served.request.top_logprobs if served.request.logprobs else None
         try:
             return self._scheduler.submit(served.prompt.token_ids, params, served.max_tokens, request_id=request.id,
-                                          snapshot_at=served.prompt.snapshot_at, top_logprobs=top_logprobs)
+                                          snapshot_at=served.prompt.snapshot_at, top_logprobs=top_logprobs,
+                                          grammar=grammar)
         except QueueFull as exc:
             raise APIError(429, str(exc), headers=[("retry-after", str(RETRY_AFTER_S))]) from None
         except ShuttingDown as exc:
@@ -392,6 +425,24 @@ class API:
         )
         if self._log_text:
             request.log["completion_text"] = served.texts[0] if len(served.texts) == 1 else served.texts
+
+
+def _compiled(constraint: Constraint) -> str:
+    if not constraint.subgrammars:
+        return lark_grammar(constraint.lark)
+    # llguidance's grammar list: the first is the start, the others are referred to as @name.
+    return json.dumps({"grammars": [{"lark_grammar": constraint.lark},
+                                    *({"name": name, "lark_grammar": text} for name, text in constraint.subgrammars)]})
+
+
+def _part_grammar(part: GrammarPart) -> str:
+    try:
+        if part.kind == "json_schema":
+            return json_schema_grammar(part.source)
+        return lark_grammar(part.source) if part.kind == "lark" else regex_grammar(part.source)
+    except ValueError as exc:  # llguidance refuses some schemas while converting them
+        raise APIError(400, f"{part.where} is invalid or unsupported for constrained decoding: {exc}",
+                       param=part.param) from None
 
 
 async def _discard(events: list[SSEEvent]) -> None:

@@ -124,13 +124,15 @@ class Job:
     """One request's generation, queued or running. Use as `with scheduler.submit(...) as job:`."""
 
     def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: Any, max_tokens: int,
-                 request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None):
+                 request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
+                 grammar: str | None = None):
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.request_id = request_id
         self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
         self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
+        self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
@@ -217,7 +219,8 @@ class Scheduler:
         return len(self._queue)
 
     def submit(self, prompt_ids: list[int], sampling: Any, max_tokens: int, *, request_id: str = "",
-               snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None) -> Job:
+               snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
+               grammar: str | None = None) -> Job:
         """Queue a job; raise QueueFull or ShuttingDown at once rather than make the client wait."""
         if self._closed:
             raise ShuttingDown()
@@ -226,10 +229,16 @@ class Scheduler:
         waiting = len(self._queue) - (0 if self._running is not None else 1)
         if waiting >= self.queue_max:
             raise QueueFull(self.queue_max)
-        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs)
+        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs, grammar)
         self._queue.append(job)
         self._job_arrived.set()
         return job
+
+    async def check_grammar(self, grammar: str) -> None:
+        """Raise the engine's GrammarError if `grammar` is invalid or unsupported. In the engine
+        thread, between two steps of a running job: the first check builds the tokenizer's grammar
+        tables (about a second), which must not stall the event loop's other streams."""
+        await self._worker.call(lambda: self._engine.grammar_tokenizer().validate(grammar))
 
     async def run(self) -> None:
         while True:
@@ -273,7 +282,8 @@ class Scheduler:
 
     def _start_generation(self, job: Job):
         """In the engine thread."""
-        generation = self._engine.start(job.prompt_ids, job.sampling, job.max_tokens, snapshot_at=job.snapshot_at)
+        generation = self._engine.start(job.prompt_ids, job.sampling, job.max_tokens, snapshot_at=job.snapshot_at,
+                                        grammar=job.grammar)
         if job.top_logprobs is not None:
             generation.sampler = LogprobRecorder(generation.sampler, job.top_logprobs)
         return generation

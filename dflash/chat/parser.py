@@ -242,7 +242,10 @@ class OutputParser:
             if tool is None:
                 return []
             properties = _properties(tool.parameters)
-            arguments = {key: _typed(_trim_newline(value), properties.get(key))
+            # A custom tool's input is raw text, kept as written (a forced call with a grammar
+            # writes it this way, and it may well look like JSON).
+            arguments = {key: _trim_newline(value) if tool.kind == "custom" else
+                         _typed(_trim_newline(value), properties.get(key))
                          for key, value in PARAMETER_RE.findall(body)}
             calls.append((tool, arguments))
         return calls

@@ -56,7 +56,7 @@ def parse_request(body: bytes, *, counting: bool = False) -> GenerationRequest:
         max_tokens=parse_max_tokens(payload, ("max_tokens",)),
         stop=fields.strings(payload, "stop_sequences", single_allowed=False),
         stream=bool(fields.boolean(payload, "stream")),
-        output_format=_output_format(fields.obj(payload, "output_format")),
+        output_format=_output_format(payload),
         thinking=_thinking(payload),
         template_kwargs=fields.obj(payload, "chat_template_kwargs") or {},
         metadata=fields.obj(payload, "metadata") or {},
@@ -216,13 +216,19 @@ def _thinking(payload: dict) -> Thinking:
                     preserve=fields.boolean(kwargs, "preserve_thinking", "chat_template_kwargs"))
 
 
-def _output_format(value: dict | None) -> OutputFormat:
+def _output_format(payload: dict) -> OutputFormat:
+    """`output_format` (the structured-outputs beta) or `output_config.format`, where newer
+    clients send it."""
+    value, where = fields.obj(payload, "output_format"), "output_format"
+    if not value:
+        output_config = fields.obj(payload, "output_config") or {}
+        value, where = fields.obj(output_config, "format", "output_config"), "output_config.format"
     if not value:
         return OutputFormat()
-    kind = fields.string(value, "type", "output_format")
+    kind = fields.string(value, "type", where)
     if kind != "json_schema":
-        raise bad("output_format.type", "must be json_schema", kind)
-    return OutputFormat("json_schema", fields.obj(value, "schema", "output_format"))
+        raise bad(f"{where}.type", "must be json_schema", kind)
+    return OutputFormat("json_schema", fields.obj(value, "schema", where), field=f"{where}.schema")
 
 
 # ---- response ----------------------------------------------------------------------------------

@@ -46,6 +46,14 @@ class Message:
 
 
 @attrs.frozen
+class ToolGrammar:
+    """The grammar a custom tool's raw input follows (Codex's `format: {type: "grammar"}`)."""
+
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+@attrs.frozen
 class ToolSpec:
     """A tool the model may call. Custom tools take free text; they are shown to the model as a
     function with one string parameter `input`."""
@@ -55,6 +63,7 @@ class ToolSpec:
     parameters: dict[str, Any] = attrs.field(factory=lambda: {"type": "object", "properties": {}})
     kind: ToolKind = "function"
     namespace: str | None = None  # Responses `namespace` tools are flattened; the name comes back with it
+    grammar: ToolGrammar | None = None  # custom tools only
 
 
 ToolChoiceMode = Literal["auto", "none", "required"]
@@ -86,6 +95,8 @@ class OutputFormat:
     type: Literal["text", "json_object", "json_schema"] = "text"
     schema: dict[str, Any] | None = None
     name: str | None = None
+    # Where the dialect carries it ("response_format", "text.format", …): errors name that field.
+    field: str = attrs.field(default="response_format", eq=False)
 
 
 @attrs.frozen

@@ -14,9 +14,8 @@ import attrs
 from dflash.protocols import fields
 from dflash.protocols.canonical import (DEFAULT_MAX_TOKENS, Finished, GenerationRequest, Logprobs, Message,
                                         OutputEvent, OutputFormat, ReasoningDelta, Sampling, SSEEvent, TextDelta,
-                                        Thinking,
-                                        TokenLogprob, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolChoice,
-                                        ToolSpec, Usage, timings)
+                                        Thinking, TokenLogprob, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart,
+                                        ToolChoice, ToolGrammar, ToolSpec, Usage, timings)
 from dflash.protocols.errors import APIError
 from dflash.protocols.fields import bad, path
 
@@ -117,9 +116,13 @@ def parse_tools(payload: dict) -> tuple[ToolSpec, ...]:
             parsed.append(function_tool(function, path(where, "function")))
         elif kind == "custom":
             custom = fields.obj(tool, "custom", where) or {}
+            tool_format = fields.obj(custom, "format", path(where, "custom"))
+            if tool_format is not None and isinstance(tool_format.get("grammar"), dict):
+                # Chat Completions nests the grammar one level down: {type, grammar: {syntax, definition}}.
+                tool_format = {"type": tool_format.get("type"), **tool_format["grammar"]}
             parsed.append(ToolSpec(name=_tool_name(custom, path(where, "custom")),
                                    description=fields.string(custom, "description", where, default=""),
-                                   kind="custom"))
+                                   kind="custom", grammar=tool_grammar(tool_format, path(where, "custom.format"))))
     return tuple(parsed)
 
 
@@ -135,6 +138,22 @@ def _tool_name(tool: dict, where: str) -> str:
     if not name:
         raise bad(path(where, "name"), "must be a non-empty string", tool.get("name"))
     return name
+
+
+def tool_grammar(tool_format: dict | None, where: str) -> ToolGrammar | None:
+    """A custom tool's `format`: {"type": "grammar", "syntax": "lark" | "regex", "definition"};
+    {"type": "text"} or none leaves the input free."""
+    if not tool_format or tool_format.get("type") in (None, "text"):
+        return None
+    if tool_format.get("type") != "grammar":
+        raise bad(path(where, "type"), "must be text or grammar", tool_format.get("type"))
+    syntax = fields.string(tool_format, "syntax", where, default="lark")
+    if syntax not in ("lark", "regex"):
+        raise bad(path(where, "syntax"), "must be lark or regex", syntax)
+    definition = fields.string(tool_format, "definition", where)
+    if not definition:
+        raise bad(path(where, "definition"), "must be a non-empty grammar", tool_format.get("definition"))
+    return ToolGrammar(syntax, definition)
 
 
 def parse_tool_choice(choice: Any, where: str = "tool_choice") -> ToolChoice:
@@ -160,7 +179,8 @@ def _response_format(value: dict | None) -> OutputFormat:
     if kind == "json_schema":
         spec = fields.obj(value, "json_schema", "response_format") or {}
         return OutputFormat("json_schema", fields.obj(spec, "schema", "response_format.json_schema"),
-                            fields.string(spec, "name", "response_format.json_schema"))
+                            fields.string(spec, "name", "response_format.json_schema"),
+                            field="response_format.json_schema.schema")
     if kind not in ("text", "json_object"):
         raise bad("response_format.type", "must be text, json_object or json_schema", kind)
     return OutputFormat(kind)

@@ -26,7 +26,7 @@ from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, M
 from dflash.protocols.errors import APIError
 from dflash.protocols.fields import bad, path
 from dflash.protocols.openai_chat import (error_type, function_tool, parse_max_tokens, parse_sampling,
-                                          parse_tool_choice)
+                                          parse_tool_choice, tool_grammar)
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
@@ -127,10 +127,10 @@ def _text_format(value: dict | None) -> OutputFormat:
     kind = fields.string(value, "type", "text.format", default="text")
     if kind == "json_schema":
         return OutputFormat("json_schema", fields.obj(value, "schema", "text.format"),
-                            fields.string(value, "name", "text.format"))
+                            fields.string(value, "name", "text.format"), field="text.format.schema")
     if kind not in ("text", "json_object"):
         raise bad("text.format.type", "must be text, json_object or json_schema", kind)
-    return OutputFormat(kind)
+    return OutputFormat(kind, field="text.format")
 
 
 def _tools(tools: list) -> tuple[ToolSpec, ...]:
@@ -152,7 +152,8 @@ def _tool(where: str, tool: dict, *, namespace: str | None) -> list[ToolSpec]:
         if not name:
             raise bad(path(where, "name"), "must be a non-empty string", tool.get("name"))
         return [ToolSpec(name=name, description=_custom_description(tool, where), kind="custom",
-                         namespace=namespace)]
+                         namespace=namespace, grammar=tool_grammar(fields.obj(tool, "format", where),
+                                                                   path(where, "format")))]
     if kind == "namespace":
         inner = fields.array(tool, "tools", where) or []
         name = fields.string(tool, "name", where)

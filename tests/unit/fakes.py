@@ -98,6 +98,7 @@ class FakeGeneration:
         self.stats = FakeStats(prompt_tokens=len(prompt_ids))
         self.step_starts: list[float] = []  # time.monotonic() at the start of each step
         self.closed_at: float | None = None
+        self.grammar: str | None = None
         self._prefilled = 0
 
     @property
@@ -146,6 +147,19 @@ class FakeGeneration:
             self._engine._closed(self)
 
 
+class FakeGrammarTokenizer:
+    """Checks a grammar as the engine's GrammarTokenizer does, without a vocabulary."""
+
+    def validate(self, grammar: str) -> None:
+        import llguidance
+
+        from dflash.engine.grammar import GrammarError
+
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+        if is_error:
+            raise GrammarError(messages[0] if messages else "invalid grammar")
+
+
 class FakeEngine:
     """Mirrors dflash.engine.generate.Engine. Checks the contract: one live generation at a time,
     start() and step() only from one thread, no step after the end."""
@@ -165,15 +179,20 @@ class FakeEngine:
         self.threads: set[str] = set()
 
     def start(self, prompt_ids: list[int], sampling, max_tokens: int, stop_token_ids=(),
-              snapshot_at=()) -> FakeGeneration:
+              snapshot_at=(), grammar: str | None = None) -> FakeGeneration:
         self.threads.add(threading.current_thread().name)
         if self.live is not None:
             raise RuntimeError("start() while another generation is live")
         if len(prompt_ids) > self.max_ctx:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than max_ctx {self.max_ctx}")
         self.live = FakeGeneration(self, prompt_ids, sampling, max_tokens, snapshot_at)
+        self.live.grammar = grammar  # recorded, not followed: the reply is scripted
         self.generations.append(self.live)
         return self.live
+
+    def grammar_tokenizer(self) -> FakeGrammarTokenizer:
+        self.threads.add(threading.current_thread().name)
+        return FakeGrammarTokenizer()
 
     @property
     def idle(self) -> bool:
