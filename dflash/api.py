@@ -141,6 +141,9 @@ class API:
         self.tool_memory = ToolMemory()
         self.responses = ResponseStore()
         self._checked_grammars: OrderedDict[str, None] = OrderedDict()
+        # The tokens the template writes after a message (`<|im_end|>\n` for ChatML).
+        turn_end_ids = getattr(model.template, "turn_end_token_ids", None)
+        self._turn_end_ids: tuple[int, ...] = tuple(turn_end_ids()) if turn_end_ids else ()
 
     def router(self) -> Router:
         routes = {
@@ -324,6 +327,9 @@ class API:
                 yield event
         if parser.tool_calls:
             self.tool_memory.remember([call.id for call in parser.tool_calls], prompt.thinking_prefix + parser.raw_text)
+            # Agent turn cache: while the client runs the tool, close the turn in the engine and
+            # keep a snapshot, so the follow-up prefills only the tool result.
+            self._scheduler.checkpoint_turn(job, self._turn_end_ids)
         usage = _usage(last, len(prompt.token_ids))
         reason = ("tool_calls" if parser.tool_calls else "stop_sequence" if parser.stop_sequence is not None
                   else "length" if last is not None and last.finished == "length" else "stop")
@@ -457,7 +463,8 @@ def _usage(step: JobStep | None, prompt_tokens: int) -> Usage:
                  cached_tokens=stats.cached_tokens, prefilled_tokens=stats.prefilled_tokens,
                  prefill_ms=stats.prefill_ms, decode_ms=stats.decode_ms,
                  draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-                 verification_steps=stats.verification_steps)
+                 verification_steps=stats.verification_steps,
+                 agent_turn_cache_hit=int(getattr(stats, "agent_turn_cache_hit", False)))
 
 
 def _as_api_error(exc: Exception) -> APIError:

@@ -133,6 +133,7 @@ class Job:
         self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
         self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
         self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
+        self.output_ids: list[int] = []  # the generated tokens, once the job is over
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
@@ -209,6 +210,9 @@ class Scheduler:
         self._closed = False
         self._job_arrived = trio.Event()
         self._job_ended = trio.Event()
+        # The job whose tokens the engine's live state still holds, and a turn checkpoint asked for.
+        self._live_job: Job | None = None
+        self._checkpoint: tuple[Job, tuple[int, ...]] | None = None
 
     @property
     def state(self) -> str:
@@ -240,9 +244,31 @@ class Scheduler:
         tables (about a second), which must not stall the event loop's other streams."""
         await self._worker.call(lambda: self._engine.grammar_tokenizer().validate(grammar))
 
+    def checkpoint_turn(self, job: Job, closing_ids: tuple[int, ...]) -> None:
+        """Agent turn cache: once `job` (a tool-call reply) is over, and if no other job has run
+        since, feed its pending last token and the template's closing tokens to the engine and keep
+        a snapshot. Done between jobs; a job that arrives first takes precedence."""
+        self._checkpoint = (job, closing_ids)
+        self._job_arrived.set()
+
+    async def _run_checkpoint(self) -> None:
+        job, closing_ids = self._checkpoint
+        self._checkpoint = None
+        if self._live_job is not job or not job.output_ids:
+            return
+        tokens = [job.output_ids[-1], *closing_ids]
+        try:
+            await self._worker.call(self._engine.extend_and_checkpoint, tokens)
+        except Exception:
+            log.exception("turn_checkpoint_failed", request_id=job.request_id)
+
     async def run(self) -> None:
         while True:
             job = await self._next_job()
+            if job is None:
+                await self._run_checkpoint()
+                continue
+            self._live_job = None
             self._running = job
             try:
                 await self._run_job(job)
@@ -274,11 +300,15 @@ class Scheduler:
             job._end()
             log.info("job_cancelled", request_id=job.request_id, queued=True, stop_ms=0.0)
 
-    async def _next_job(self) -> Job:
-        while not self._queue:
+    async def _next_job(self) -> Job | None:
+        """The next queued job, or None when only a turn checkpoint is waiting."""
+        while not self._queue and self._checkpoint is None:
             self._job_arrived = trio.Event()
             await self._job_arrived.wait()
-        return self._queue.popleft()
+        if self._queue:
+            self._checkpoint = None  # the engine's live state goes to the new job
+            return self._queue.popleft()
+        return None
 
     def _start_generation(self, job: Job):
         """In the engine thread."""
@@ -311,6 +341,8 @@ class Scheduler:
                     await self._worker.call(generation.close)
                 except Exception:
                     log.exception("engine_close_failed", request_id=job.request_id)
+            job.output_ids = list(getattr(generation, "output", ()))
+            self._live_job = job
             job._end()
             if job.cancelled and not finished:
                 # The number operators (and bench/stress_cancel.py) watch: cancel -> engine ready.

@@ -31,6 +31,7 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    agent_turn_cache_hit: bool = False  # the reused prefix includes a turn this server generated
     draft_tokens: int = 0  # proposed by a drafter
     accepted_tokens: int = 0  # of those, verified equal to the target's own choice
     verification_steps: int = 0
@@ -96,6 +97,8 @@ class Engine:
         self.kv = model.new_kv_cache(max_ctx)
         # Tokens whose keys/values sit in kv[:length]; the next prompt reuses the common prefix.
         self.committed: list[int] = []
+        # Where the generated part of the committed tokens begins (the last prompt's length).
+        self.generated_from: int | None = None
         self._live: Generation | None = None
 
     def start(
@@ -148,7 +151,7 @@ class Engine:
                 return self.kv.length
             for start in range(0, len(tokens), self.prefill_chunk):
                 self.forward(list(tokens[start : start + self.prefill_chunk]))
-        self.snapshot(self.prefix_cache)
+        self.snapshot(self.prefix_cache, generated_from=self.generated_from)
         return self.kv.length
 
     def grammar_tokenizer(self):
@@ -158,10 +161,10 @@ class Engine:
             self._grammar_tokenizer = self._grammar_tokenizer_factory()
         return self._grammar_tokenizer
 
-    def resume(self, prompt: Sequence[int]) -> int:
+    def resume(self, prompt: Sequence[int]) -> tuple[int, bool]:
         """Make the KV state hold the longest available prefix of `prompt` (keeping at least one
         token to compute): the live state's common prefix or a cached snapshot, whichever is deeper.
-        Returns how many prompt tokens it holds."""
+        Returns how many prompt tokens it holds, and whether they include a generated turn."""
         live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1)
         candidates = [self.prefix_cache.lookup(prompt), self.prompt_cache.lookup(prompt)]
         entry = max((c for c in candidates if c is not None), key=lambda c: len(c.tokens), default=None)
@@ -172,13 +175,16 @@ class Engine:
                 self.prefix_cache.store(found.tokens, found.snapshot, found.draft_rows)
                 entry = CacheEntry(found.tokens, found.snapshot, found.draft_rows, 0)
         if entry is None or len(entry.tokens) <= live:
-            return self.rollback(live)
-        return self._restore(entry)
+            kept = self.rollback(live)
+            return kept, self.generated_from is not None and kept > self.generated_from
+        generated_from = entry.generated_from
+        return self._restore(entry), generated_from is not None and len(entry.tokens) > generated_from
 
     def _restore(self, entry: CacheEntry) -> int:
         common = common_prefix_length(self.committed, entry.tokens)
         self.kv.restore(entry.snapshot)
         self.committed = list(entry.tokens)
+        self.generated_from = entry.generated_from
         if self.dflash_drafter is not None:
             if entry.draft_rows is not None:
                 self.dflash_drafter.restore(entry.draft_rows, common)
@@ -186,7 +192,7 @@ class Engine:
                 self.dflash_drafter.crop(common)
         return len(entry.tokens)
 
-    def snapshot(self, cache: PrefixCache) -> None:
+    def snapshot(self, cache: PrefixCache, generated_from: int | None = None) -> None:
         """Store the committed state in `cache` (a right-sized copy)."""
         if not cache.enabled or self.committed in cache:
             return
@@ -194,7 +200,7 @@ class Engine:
         if rows is not None and rows.shape[0] != len(self.committed):
             rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
         snapshot = self.kv.snapshot()
-        cache.store(self.committed, snapshot, rows)
+        cache.store(self.committed, snapshot, rows, generated_from)
         if self.disk_cache is not None and isinstance(snapshot, KVSnapshot):  # not the transformers backend
             self.disk_cache.store(self.committed, snapshot, rows)
 
@@ -241,7 +247,8 @@ class Generation:
         self.speculation = SpeculationPolicy(engine.speculation, engine.drafters())
         # Reuse the live KV state or a cached snapshot for the shared prefix; at least one prompt
         # token is always computed, because its logits give the first generated token.
-        reused = engine.resume(prompt_ids)
+        reused, turn_hit = engine.resume(prompt_ids)
+        engine.generated_from = len(prompt_ids)
         self.position = reused  # next prompt index to prefill
         # Where prefill pauses to snapshot: message boundaries, then the prompt minus its last token
         # (an identical request restores that and computes one token).
@@ -250,7 +257,7 @@ class Generation:
             self.boundaries = sorted(p for p in set(snapshot_at) if reused < p < len(prompt_ids) - 1)
         exact = len(prompt_ids) - 1
         self.exact_prompt_boundary = exact if engine.prompt_cache.enabled and exact > reused else None
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=reused)
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=reused, agent_turn_cache_hit=turn_hit)
 
     @property
     def prefilling(self) -> bool:

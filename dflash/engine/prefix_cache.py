@@ -23,6 +23,7 @@ class CacheEntry:
     snapshot: object  # KVSnapshot (built-in decoder) or an HFCache copy
     draft_rows: Tensor | None  # the DFlash drafter's captured target rows for these tokens
     nbytes: int
+    generated_from: int | None = None  # tokens from here on were generated (an agent turn checkpoint)
 
 
 def snapshot_bytes(snapshot, draft_rows: Tensor | None) -> int:
@@ -62,11 +63,12 @@ class PrefixCache:
             self.hits += 1
         return best
 
-    def store(self, tokens: Sequence[int], snapshot, draft_rows: Tensor | None = None) -> None:
+    def store(self, tokens: Sequence[int], snapshot, draft_rows: Tensor | None = None,
+              generated_from: int | None = None) -> None:
         if not self.enabled:
             return
         key = tuple(tokens)
-        entry = CacheEntry(key, snapshot, draft_rows, snapshot_bytes(snapshot, draft_rows))
+        entry = CacheEntry(key, snapshot, draft_rows, snapshot_bytes(snapshot, draft_rows), generated_from)
         if entry.nbytes > self.budget_bytes:
             return
         if key in self._entries:

@@ -192,6 +192,7 @@ class Usage:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verification_steps: int = 0
+    agent_turn_cache_hit: int = 0  # generations whose restored prefix included a generated turn
 
     @property
     def total_tokens(self) -> int:
@@ -214,6 +215,7 @@ def timings(usage: Usage) -> dict[str, Any]:
     """The `usage.timings` object every dialect reports."""
     return {
         "prompt_tokens": usage.prompt_tokens,
+        "agent_turn_cache_hit": bool(usage.agent_turn_cache_hit),
         "cached_prefix_tokens": usage.cached_tokens,
         "prefilled_tokens": usage.prefilled_tokens,
         "prefill_ms": round(usage.prefill_ms, 3),

@@ -131,5 +131,14 @@ def test_a_checkpointed_turn_serves_the_follow_up_after_another_request():
     generation = engine.start(follow_up, SamplingParams(), max_tokens=4)
     out = generation.run()
     assert generation.stats.cached_tokens == len(PROMPT) + len(turn) + len(closing)
-    assert generation.stats.prefilled_tokens == 2
+    assert generation.stats.prefilled_tokens == 2 and generation.stats.agent_turn_cache_hit
     assert out == reference_greedy(engine, follow_up, 4)
+
+
+def test_continuing_the_live_state_through_a_generated_turn_counts_as_an_agent_turn_hit():
+    engine = make_engine()
+    turn = engine.start(PROMPT, SamplingParams(), max_tokens=5).run()
+    follow_up = engine.start(PROMPT + turn + [2, 40], SamplingParams(), max_tokens=2)
+    assert follow_up.stats.agent_turn_cache_hit and follow_up.stats.cached_tokens == len(PROMPT) + 4
+    fresh = engine.start([9, 9, 9], SamplingParams(), max_tokens=2)
+    assert not fresh.stats.agent_turn_cache_hit

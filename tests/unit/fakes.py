@@ -177,6 +177,7 @@ class FakeEngine:
         self.generations: list[FakeGeneration] = []
         self.live: FakeGeneration | None = None
         self.threads: set[str] = set()
+        self.checkpoints: list[list[int]] = []  # agent turn checkpoints asked of the engine
 
     def start(self, prompt_ids: list[int], sampling, max_tokens: int, stop_token_ids=(),
               snapshot_at=(), grammar: str | None = None) -> FakeGeneration:
@@ -189,6 +190,13 @@ class FakeEngine:
         self.live.grammar = grammar  # recorded, not followed: the reply is scripted
         self.generations.append(self.live)
         return self.live
+
+    def extend_and_checkpoint(self, tokens: list[int]) -> int:
+        self.threads.add(threading.current_thread().name)
+        if self.live is not None:
+            raise RuntimeError("extend_and_checkpoint() while a generation is live")
+        self.checkpoints.append(list(tokens))
+        return len(tokens)
 
     def grammar_tokenizer(self) -> FakeGrammarTokenizer:
         self.threads.add(threading.current_thread().name)

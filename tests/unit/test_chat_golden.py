@@ -232,3 +232,27 @@ async def test_parallel_tool_calls_false_keeps_the_first_call(start_server):
     served = await start_server(FakeEngine(reply=TWO_CALLS))
     answer = (await post(served.port, CHAT, body(tools=TOOLS, parallel_tool_calls=False))).json()
     assert len(answer["choices"][0]["message"]["tool_calls"]) == 1
+
+
+async def test_a_tool_call_reply_asks_the_engine_for_a_turn_checkpoint(start_server):
+    import trio
+
+    served = await start_server(FakeEngine(reply=ONE_CALL))
+    await post(served.port, CHAT, body(tools=TOOLS))
+    with trio.fail_after(5):
+        while not served.engine.checkpoints:
+            await trio.sleep(0.01)
+    generation = served.engine.generations[0]
+    (checkpoint,) = served.engine.checkpoints
+    # The turn's pending last token, then what the template writes after a message.
+    assert checkpoint[0] == generation.output[-1]
+    assert bytes(checkpoint[1:]).decode() == "<|im_end|>\n"
+
+
+async def test_a_plain_reply_asks_for_no_turn_checkpoint(start_server):
+    import trio
+
+    served = await start_server()
+    await post(served.port, CHAT, body())
+    await trio.sleep(0.2)
+    assert served.engine.checkpoints == []

@@ -93,7 +93,7 @@ def test_usage_carries_timings():
     assert body["usage"] == {
         "prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
         "prompt_tokens_details": {"cached_tokens": 4},
-        "timings": {"prompt_tokens": 10, "cached_prefix_tokens": 4, "prefilled_tokens": 6, "prefill_ms": 1.5,
+        "timings": {"prompt_tokens": 10, "agent_turn_cache_hit": False, "cached_prefix_tokens": 4, "prefilled_tokens": 6, "prefill_ms": 1.5,
                     "decode_ms": 2.25, "draft_tokens": 4, "accepted_tokens": 2, "acceptance_length": 2.0},
     }
 
