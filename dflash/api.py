@@ -31,7 +31,8 @@ from dflash.http.routing import CORSPolicy, Router
 from dflash.http.server import Handler, Request, Response, ResponseWriter
 from dflash.http.sse import open_sse_stream
 from dflash.protocols import anthropic, openai_chat, responses
-from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, OutputEvent, SSEEvent, TokenLogprob,
+from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, Message, OutputEvent, SSEEvent,
+                                        TokenLogprob, ToolCall,
                                         Usage)
 from dflash.protocols.errors import APIError, anthropic_error_body, context_length_error, openai_error_body
 from dflash.protocols.openai_chat import CompletionHeader
@@ -141,9 +142,6 @@ class API:
         self.tool_memory = ToolMemory()
         self.responses = ResponseStore()
         self._checked_grammars: OrderedDict[str, None] = OrderedDict()
-        # The tokens the template writes after a message (`<|im_end|>\n` for ChatML).
-        turn_end_ids = getattr(model.template, "turn_end_token_ids", None)
-        self._turn_end_ids: tuple[int, ...] = tuple(turn_end_ids()) if turn_end_ids else ()
 
     def router(self) -> Router:
         routes = {
@@ -327,9 +325,10 @@ class API:
                 yield event
         if parser.tool_calls:
             self.tool_memory.remember([call.id for call in parser.tool_calls], prompt.thinking_prefix + parser.raw_text)
-            # Agent turn cache: while the client runs the tool, close the turn in the engine and
-            # keep a snapshot, so the follow-up prefills only the tool result.
-            self._scheduler.checkpoint_turn(job, self._turn_end_ids)
+            # Agent turn cache: while the client runs the tool, have the engine hold the turn as
+            # the follow-up will render it and keep a snapshot: the follow-up prefills only the
+            # tool result.
+            self._scheduler.checkpoint_turn(job, self._rendered_turn(request, parser.tool_calls))
         usage = _usage(last, len(prompt.token_ids))
         reason = ("tool_calls" if parser.tool_calls else "stop_sequence" if parser.stop_sequence is not None
                   else "length" if last is not None and last.finished == "length" else "stop")
@@ -337,6 +336,19 @@ class API:
         served.finish_reasons.append(reason)
         served.texts.append(parser.raw_text)
         yield Finished(reason, usage, parser.stop_sequence)
+
+    def _rendered_turn(self, request: GenerationRequest, calls: list[ToolCall]) -> tuple[int, ...]:
+        """The prompt plus this reply's turn, closing tokens included, tokenized as the next
+        request will render it (tool memory supplies the turn's exact text)."""
+        turn = Message("assistant", tool_calls=tuple(calls))
+        probe = attrs.evolve(request, messages=(*request.messages, turn, Message("user", "next")))
+        try:
+            rendered = self._model.template.render(probe, self.tool_memory)
+        except Exception:
+            return ()
+        if len(rendered.snapshot_at) < 2:
+            return ()
+        return tuple(rendered.token_ids[: rendered.snapshot_at[-2]])  # through the turn's closing tokens
 
     def _logprobs(self, step: JobStep) -> Logprobs:
         def entry(token_id: int, logprob: float) -> tuple[str, float, tuple[int, ...]]:

@@ -244,21 +244,21 @@ class Scheduler:
         tables (about a second), which must not stall the event loop's other streams."""
         await self._worker.call(lambda: self._engine.grammar_tokenizer().validate(grammar))
 
-    def checkpoint_turn(self, job: Job, closing_ids: tuple[int, ...]) -> None:
+    def checkpoint_turn(self, job: Job, turn_ids: tuple[int, ...]) -> None:
         """Agent turn cache: once `job` (a tool-call reply) is over, and if no other job has run
-        since, feed its pending last token and the template's closing tokens to the engine and keep
-        a snapshot. Done between jobs; a job that arrives first takes precedence."""
-        self._checkpoint = (job, closing_ids)
+        since, have the engine hold `turn_ids` (the prompt plus the generated turn as the next
+        request will render it) and keep a snapshot. Done between jobs; a job that arrives first
+        takes precedence."""
+        self._checkpoint = (job, turn_ids)
         self._job_arrived.set()
 
     async def _run_checkpoint(self) -> None:
-        job, closing_ids = self._checkpoint
+        job, turn_ids = self._checkpoint
         self._checkpoint = None
-        if self._live_job is not job or not job.output_ids:
+        if self._live_job is not job or not turn_ids:
             return
-        tokens = [job.output_ids[-1], *closing_ids]
         try:
-            await self._worker.call(self._engine.extend_and_checkpoint, tokens)
+            await self._worker.call(self._engine.checkpoint_prefix, list(turn_ids))
         except Exception:
             log.exception("turn_checkpoint_failed", request_id=job.request_id)
 

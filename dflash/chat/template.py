@@ -86,10 +86,6 @@ class ChatTemplate:
                               starts_in_thinking=opened,
                               thinking_prefix=text[tail.rfind("<think>"):] if opened else "")
 
-    def turn_end_token_ids(self) -> list[int]:
-        """The tokens of what the template writes after a message; empty when unknown."""
-        return list(self._tokenize(self.turn_end).ids) if self.turn_end else []
-
     def _find_turn_end(self) -> str:
         """What the template writes after a message's content, learned from a probe render
         (`<|im_end|>\\n` for ChatML). Empty when the template will not say."""

@@ -141,16 +141,19 @@ class Engine:
             self.dflash_drafter.crop(kept)
         return kept
 
-    def extend_and_checkpoint(self, tokens: Sequence[int]) -> int:
-        """Agent turn cache: after a generation, compute `tokens` (the turn's pending last token
-        plus the template's closing tokens, e.g. `<|im_end|>\n`) into the live state and keep a
-        snapshot of it, so the next request — the turn re-rendered plus a tool result — restores
-        it even if other requests ran in between. Returns the committed length."""
-        if tokens:
-            if self.kv.length + len(tokens) > self.max_ctx:
-                return self.kv.length
-            for start in range(0, len(tokens), self.prefill_chunk):
-                self.forward(list(tokens[start : start + self.prefill_chunk]))
+    def checkpoint_prefix(self, tokens: Sequence[int]) -> int:
+        """Agent turn cache: make the live state hold `tokens` — a prompt plus the turn generated
+        for it, as the next request will render it, closing tokens included — and keep a snapshot.
+        Usually only the closing tokens are new; where the rendering tokenizes the generated text
+        differently, the differing tail is recomputed (while the server is idle). Returns the
+        committed length."""
+        if len(tokens) > self.max_ctx:
+            return self.kv.length
+        generated_from = self.generated_from
+        kept = self.rollback(common_prefix_length(self.committed, tokens))
+        for start in range(kept, len(tokens), self.prefill_chunk):
+            self.forward(list(tokens[start : start + self.prefill_chunk]))
+        self.generated_from = generated_from if generated_from is not None and generated_from < len(tokens) else None
         self.snapshot(self.prefix_cache, generated_from=self.generated_from)
         return self.kv.length
 
@@ -248,6 +251,8 @@ class Generation:
         # Reuse the live KV state or a cached snapshot for the shared prefix; at least one prompt
         # token is always computed, because its logits give the first generated token.
         reused, turn_hit = engine.resume(prompt_ids)
+        # Snapshots this prompt leaves behind still hold that generated turn.
+        self.turn_from = engine.generated_from if turn_hit else None
         engine.generated_from = len(prompt_ids)
         self.position = reused  # next prompt index to prefill
         # Where prefill pauses to snapshot: message boundaries, then the prompt minus its last token
@@ -284,13 +289,16 @@ class Generation:
         self.stats.prefilled_tokens += len(chunk)
         logits = self.engine.forward(chunk)
         if self.position in self.boundaries:
-            self.engine.snapshot(self.engine.prefix_cache)
+            self.engine.snapshot(self.engine.prefix_cache, self._turn_within(self.position))
         elif self.position == self.exact_prompt_boundary:
-            self.engine.snapshot(self.engine.prompt_cache)
+            self.engine.snapshot(self.engine.prompt_cache, self._turn_within(self.position))
         if self.prefilling:
             return StepOutput([], None, "prefill")
         emitted = self._emit(self._sample(logits[-1]))
         return StepOutput(emitted, self.finished, "prefill")
+
+    def _turn_within(self, length: int) -> int | None:
+        return self.turn_from if self.turn_from is not None and self.turn_from < length else None
 
     def _decode_one(self) -> StepOutput:
         drafter, draft = self.speculation.choose(self.engine.committed + self.output[-1:])

@@ -117,6 +117,21 @@ def test_prefix_cache_respects_its_slot_count_and_memory_budget():
         assert len(engine.prefix_cache) <= 3 and engine.prefix_cache.nbytes <= per_token * 20
 
 
+def test_a_checkpoint_recomputes_a_turn_rendered_with_other_tokens():
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    engine.prefix_cache = PrefixCache(slots=4, budget_bytes=1 << 30)
+    turn = engine.start(PROMPT, SamplingParams(), max_tokens=5).run()
+    rendered = PROMPT + [turn[0], 77, 78] + [2, 7]  # the next request will tokenize the turn this way
+    engine.checkpoint_prefix(rendered)
+    engine.start([100, 101], SamplingParams(), max_tokens=1).run()
+    follow_up = engine.start(rendered + [40], SamplingParams(), max_tokens=3)
+    out = follow_up.run()
+    assert follow_up.stats.cached_tokens == len(rendered) and follow_up.stats.agent_turn_cache_hit
+    assert out == reference_greedy(engine, rendered + [40], 3)
+
+
 def test_a_checkpointed_turn_serves_the_follow_up_after_another_request():
     from dflash.engine.prefix_cache import PrefixCache
 
@@ -125,7 +140,7 @@ def test_a_checkpointed_turn_serves_the_follow_up_after_another_request():
     first = engine.start(PROMPT, SamplingParams(), max_tokens=5)
     turn = first.run()
     closing = [2, 7]  # what the template writes after the turn
-    engine.extend_and_checkpoint(turn[-1:] + closing)
+    engine.checkpoint_prefix(PROMPT + turn + closing)
     engine.start([100, 101, 102], SamplingParams(), max_tokens=2).run()  # someone else ran meanwhile
     follow_up = PROMPT + turn + closing + [40, 41]  # + the tool result
     generation = engine.start(follow_up, SamplingParams(), max_tokens=4)

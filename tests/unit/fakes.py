@@ -191,10 +191,10 @@ class FakeEngine:
         self.generations.append(self.live)
         return self.live
 
-    def extend_and_checkpoint(self, tokens: list[int]) -> int:
+    def checkpoint_prefix(self, tokens: list[int]) -> int:
         self.threads.add(threading.current_thread().name)
         if self.live is not None:
-            raise RuntimeError("extend_and_checkpoint() while a generation is live")
+            raise RuntimeError("checkpoint_prefix() while a generation is live")
         self.checkpoints.append(list(tokens))
         return len(tokens)
 

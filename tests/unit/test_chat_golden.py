@@ -238,15 +238,19 @@ async def test_a_tool_call_reply_asks_the_engine_for_a_turn_checkpoint(start_ser
     import trio
 
     served = await start_server(FakeEngine(reply=ONE_CALL))
-    await post(served.port, CHAT, body(tools=TOOLS))
+    first = (await post(served.port, CHAT, body(tools=TOOLS))).json()
     with trio.fail_after(5):
         while not served.engine.checkpoints:
             await trio.sleep(0.01)
-    generation = served.engine.generations[0]
     (checkpoint,) = served.engine.checkpoints
-    # The turn's pending last token, then what the template writes after a message.
-    assert checkpoint[0] == generation.output[-1]
-    assert bytes(checkpoint[1:]).decode() == "<|im_end|>\n"
+    # The prompt plus the turn as the follow-up will render it, through the turn's closing tokens.
+    message = first["choices"][0]["message"]
+    history = [{"role": "user", "content": "hi"}, message,
+               {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "sunny"}]
+    await post(served.port, CHAT, body(messages=history, tools=TOOLS))
+    follow_up = served.engine.generations[1].prompt_ids
+    assert follow_up[: len(checkpoint)] == checkpoint
+    assert bytes(checkpoint).decode().endswith(f"<|im_start|>assistant\n{ONE_CALL}<|im_end|>\n")
 
 
 async def test_a_plain_reply_asks_for_no_turn_checkpoint(start_server):
