@@ -48,7 +48,7 @@ def load_served_model(full_config: Config) -> tuple[Any, ModelText]:
         prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir),
         speculation=SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens,
                                       ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, adaptive=spec.adaptive),
-        draft_model=os.path.expanduser(spec.draft_model) if spec.draft_model else None,
+        draft_model=spec.draft_model,
         prefix_cache_slots=cache.prefix_cache_slots, prefill_cache_slots=cache.prefill_cache_slots,
         cache_budget_mib=cache.memory_budget_mib,
         disk_cache_dir=os.path.expanduser(cache.disk_dir) if cache.disk_dir else None,

