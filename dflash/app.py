@@ -53,6 +53,7 @@ def load_served_model(full_config: Config) -> tuple[Any, ModelText]:
         cache_budget_mib=cache.memory_budget_mib,
         disk_cache_dir=os.path.expanduser(cache.disk_dir) if cache.disk_dir else None,
         disk_cache_mib=cache.disk_max_mib,
+        agent_turn_cache=cache.agent_turn_cache,
     )
     text = ModelText(
         model_id=loaded.model_id,

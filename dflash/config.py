@@ -112,6 +112,7 @@ class CacheConfig:
     memory_budget_mib: int = attrs.field(default=2048, validator=_ints(1))
     disk_dir: str = ""  # "" keeps snapshots in memory only
     disk_max_mib: int = attrs.field(default=4096, validator=_ints(1))
+    agent_turn_cache: bool = False
 
 
 @attrs.frozen

@@ -75,8 +75,10 @@ class Engine:
         prompt_cache: PrefixCache | None = None,
         disk_cache: DiskCache | None = None,
         grammar_tokenizer_factory=None,
+        agent_turn_replay: bool = False,
     ):
         self.model = model
+        self.agent_turn_replay = agent_turn_replay
         self.disk_cache = disk_cache
         # Built on the first constrained request (llguidance takes about a second to read a vocabulary).
         self._grammar_tokenizer_factory = grammar_tokenizer_factory
@@ -145,12 +147,15 @@ class Engine:
         """Agent turn cache: make the live state hold `tokens` — a prompt plus the turn generated
         for it, as the next request will render it, closing tokens included — and keep a snapshot.
         Usually only the closing tokens are new; where the rendering tokenizes the generated text
-        differently, the differing tail is recomputed (while the server is idle). Returns the
-        committed length."""
+        differently, the differing tail is recomputed (while the server is idle) if
+        `agent_turn_replay` is on, else nothing is done. Returns the committed length."""
         if len(tokens) > self.max_ctx:
             return self.kv.length
+        common = common_prefix_length(self.committed, tokens)
+        if common < len(self.committed) and not self.agent_turn_replay:
+            return self.kv.length  # the turn renders differently; replaying it is the opt-in fallback
         generated_from = self.generated_from
-        kept = self.rollback(common_prefix_length(self.committed, tokens))
+        kept = self.rollback(common)
         for start in range(kept, len(tokens), self.prefill_chunk):
             self.forward(list(tokens[start : start + self.prefill_chunk]))
         self.generated_from = generated_from if generated_from is not None and generated_from < len(tokens) else None

@@ -3,6 +3,7 @@ suite: loading the model once keeps the suite within minutes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,21 +19,19 @@ START_TIMEOUT_S = 300
 MAX_CTX = 2048
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """(base URL, model id) of the running server."""
-    folder = tmp_path_factory.mktemp("server")
+@contextlib.contextmanager
+def running_server(folder: Path, config_text: str):
+    """A `dflash run` process on a free loopback port; yields its start-up log line."""
+    folder.mkdir(parents=True, exist_ok=True)
     config = folder / "server.toml"
-    config.write_text(f'[server]\nport = 0\nshutdown_grace_s = 5\n[model]\nmax_ctx = {MAX_CTX}\n'
-                      '[logging]\nformat = "json"\n')
+    config.write_text(config_text)
     log_path = folder / "server.log"
     with open(log_path, "w") as log_file:
         process = subprocess.Popen([sys.executable, "-m", "dflash.cli", "run", str(config)], cwd=ROOT,
                                    stdout=log_file, stderr=log_file,
                                    env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     try:
-        started = _wait_for_start(process, log_path)
-        yield started["listening"], started["model"]
+        yield _wait_for_start(process, log_path)
         process.send_signal(signal.SIGTERM)
         exit_code = process.wait(timeout=30)
         assert exit_code == 0, f"exit code {exit_code} after SIGTERM:\n{log_path.read_text()[-3000:]}"
@@ -40,6 +39,19 @@ def server(tmp_path_factory):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def server_config(**cache: object) -> str:
+    lines = "".join(f"{key} = {json.dumps(value)}\n" for key, value in cache.items())
+    return (f'[server]\nport = 0\nshutdown_grace_s = 5\n[model]\nmax_ctx = {MAX_CTX}\n'
+            f'[cache]\n{lines}[logging]\nformat = "json"\n')
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """(base URL, model id) of the running server."""
+    with running_server(tmp_path_factory.mktemp("server"), server_config(agent_turn_cache=True)) as started:
+        yield started["listening"], started["model"]
 
 
 def _wait_for_start(process: subprocess.Popen, log_path: Path) -> dict:

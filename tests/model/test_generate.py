@@ -125,6 +125,9 @@ def test_a_checkpoint_recomputes_a_turn_rendered_with_other_tokens():
     turn = engine.start(PROMPT, SamplingParams(), max_tokens=5).run()
     rendered = PROMPT + [turn[0], 77, 78] + [2, 7]  # the next request will tokenize the turn this way
     engine.checkpoint_prefix(rendered)
+    assert len(engine.prefix_cache) == 0  # replaying a differing turn is opt-in
+    engine.agent_turn_replay = True
+    engine.checkpoint_prefix(rendered)
     engine.start([100, 101], SamplingParams(), max_tokens=1).run()
     follow_up = engine.start(rendered + [40], SamplingParams(), max_tokens=3)
     out = follow_up.run()
