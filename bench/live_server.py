@@ -35,13 +35,14 @@ def to_toml(sections: dict[str, dict]) -> str:
 
 class LiveServer:
     def __init__(self, *, fake: bool, server: dict | None = None, model: dict | None = None,
-                 fake_args: tuple[str, ...] = ()):
+                 fake_args: tuple[str, ...] = (), cache: dict | None = None):
         self._folder = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
         self.config_path = self._folder / "server.toml"
         self.log_path = self._folder / "server.log"
         self.config_path.write_text(to_toml({
             "server": {"host": "127.0.0.1", "port": 0, **(server or {})},
             "model": model or {},
+            "cache": cache or {},
             "logging": {"format": "json"},
         }))
         entry = ["-m", "tests.unit.fakes", str(self.config_path), *fake_args] if fake else \
