@@ -127,6 +127,10 @@ async def serve(config: Config, *, loader: ModelLoader = load_served_model, hand
             await app._shutdown_requested.wait()
             await app._drain()
             nursery.cancel_scope.cancel()
+        close_engine = getattr(engine, "close", None)
+        if close_engine is not None:  # snapshots still queued for the disk cache get written
+            with trio.CancelScope(shield=True):
+                await worker.call(close_engine)
     log.info("stopped")
 
 

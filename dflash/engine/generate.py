@@ -162,6 +162,11 @@ class Engine:
         self.snapshot(self.prefix_cache, generated_from=self.generated_from)
         return self.kv.length
 
+    def close(self) -> None:
+        """At shutdown: finish the disk cache's queued writes."""
+        if self.disk_cache is not None:
+            self.disk_cache.close()
+
     def grammar_tokenizer(self):
         if self._grammar_tokenizer is None:
             if self._grammar_tokenizer_factory is None:
