@@ -124,27 +124,11 @@ def _block(where: str, block: Any) -> dict:
                                                      fields.string(block, "name", where, default=""),
                                                      json.dumps(tool_input, ensure_ascii=False))}
     if kind == "tool_result":
-        text = _tool_result_text(path(where, "content"), block.get("content"))
+        text = fields.parts_text(path(where, "content"), block.get("content"), ("text",), joiner="\n")
         if fields.boolean(block, "is_error", where):
             text = f"Error: {text}"
         return {"type": "tool_result", "id": fields.string(block, "tool_use_id", where, default=""), "text": text}
     return {"type": "ignored"}
-
-
-def _tool_result_text(where: str, content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, "must be a string or an array of content blocks", content)
-    texts = []
-    for index, block in enumerate(content):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise bad(path(where, index), "must be an object with a 'type'", block)
-        if block["type"] == "text":
-            texts.append(fields.string(block, "text", path(where, index), default=""))
-    return "\n".join(texts)
 
 
 def _assistant(blocks: list[dict]) -> Message:

@@ -31,6 +31,25 @@ def path(where: str, key: str | int) -> str:
     return f"{where}.{key}" if where else key
 
 
+def parts_text(where: str, content: Any, part_types: tuple[str, ...], *, joiner: str = "",
+               keys: tuple[str, ...] = ("text",)) -> str:
+    """A string, or an array of content parts whose text parts (of `part_types`) are joined; other
+    parts (images) are dropped. A part's text is its first non-empty field among `keys`."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(where, "must be a string or an array of content parts", content)
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad(path(where, index), "must be an object with a 'type'", part)
+        if part["type"] in part_types:
+            texts.append(next((text for key in keys if (text := string(part, key, path(where, index), default=""))), ""))
+    return joiner.join(texts)
+
+
 def json_object(body: bytes) -> dict:
     try:
         payload = json.loads(body)

@@ -219,19 +219,7 @@ def _message(index: int, message: Any) -> Message:
 
 def content_text(where: str, content: Any) -> str:
     """A string, or an array of parts whose text parts are joined; other parts (images) are dropped."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, "must be a string or an array of content parts", content)
-    texts = []
-    for index, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise bad(path(where, index), "must be an object with a 'type'", part)
-        if part["type"] in TEXT_PART_TYPES:
-            texts.append(fields.string(part, "text", path(where, index), default=""))
-    return "".join(texts)
+    return fields.parts_text(where, content, TEXT_PART_TYPES)
 
 
 def _tool_calls(message: dict, where: str) -> tuple[ToolCall, ...]:

@@ -270,20 +270,7 @@ def _call_id(where: str, item: dict) -> str:
 
 
 def _content_text(where: str, content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, "must be a string or an array of content parts", content)
-    texts = []
-    for index, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise bad(path(where, index), "must be an object with a 'type'", part)
-        if part["type"] in TEXT_PART_TYPES:
-            texts.append(fields.string(part, "text", path(where, index), default="")
-                         or fields.string(part, "refusal", path(where, index), default=""))
-    return "".join(texts)
+    return fields.parts_text(where, content, TEXT_PART_TYPES, keys=("text", "refusal"))
 
 
 # ---- response ----------------------------------------------------------------------------------
