@@ -390,7 +390,7 @@ class API:
         own first, so that a 400 names the schema or grammar at fault."""
         if constraint is None:
             return None
-        grammar = _compiled(constraint)
+        grammar = constraint.grammar()
         if grammar in self._checked_grammars:
             self._checked_grammars.move_to_end(grammar)
             return grammar
@@ -443,14 +443,6 @@ class API:
         )
         if self._log_text:
             request.log["completion_text"] = served.texts[0] if len(served.texts) == 1 else served.texts
-
-
-def _compiled(constraint: Constraint) -> str:
-    if not constraint.subgrammars:
-        return lark_grammar(constraint.lark)
-    # llguidance's grammar list: the first is the start, the others are referred to as @name.
-    return json.dumps({"grammars": [{"lark_grammar": constraint.lark},
-                                    *({"name": name, "lark_grammar": text} for name, text in constraint.subgrammars)]})
 
 
 def _part_grammar(part: GrammarPart) -> str:

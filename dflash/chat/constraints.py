@@ -1,6 +1,6 @@
 """What a reply must follow, as grammar text: the client's output format (a JSON object or a JSON
 schema), a forced tool call (tool_choice required / any / a named tool) in the tool-call syntax
-chat/parser.py reads back, and a custom tool's own input grammar when such a call is forced.
+chat/parser.py reads back, and a custom tool's own input grammar wherever the model calls it.
 
 This module only writes text in llguidance's Lark dialect (JSON schemas embedded as `%json`);
 api.py compiles and checks it with the engine, so an invalid schema is a 400 before anything
@@ -13,6 +13,12 @@ with ARGS following the tool's parameter schema. The schema stays the root of it
 (not wrapped in an envelope schema) so its local `$ref`s still resolve. A custom tool with a
 grammar is forced in the XML form instead, <function=NAME><parameter=input>RAW</parameter>…,
 because there its raw input needs no JSON escaping and can follow the grammar as written.
+
+With tool_choice auto the reply stays free text, but a custom tool with a grammar can only be
+called in that XML form (the form the built-in tool prompt teaches for custom tools), and from its
+opening on the input follows the tool's grammar: a lazy rule per such tool ends at the first
+opening of its call, and the free text around calls may not contain an opening (nor the JSON form
+`"name": "NAME"`, whose escaped input no grammar could check).
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from typing import Any, Literal
 
 import attrs
 
-from dflash.chat.parser import FUNCTION_CLOSE, FUNCTION_OPEN, THINK_CLOSE, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from dflash.chat.parser import (
+    CUSTOM_CALL_CLOSING,
+    FUNCTION_OPEN,
+    THINK_CLOSE,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    custom_call_opening,
+)
 from dflash.protocols.canonical import GenerationRequest, OutputFormat, ToolSpec
 from dflash.protocols.errors import APIError
 
@@ -55,12 +68,18 @@ class Constraint:
     subgrammars: tuple[tuple[str, str], ...] = ()  # (name, Lark grammar), referred to as @name
     parts: tuple[GrammarPart, ...] = ()
 
+    def grammar(self) -> str:
+        """In llguidance's form: a list of grammars, the first the start, the others its @names."""
+        return json.dumps({"grammars": [{"lark_grammar": self.lark},
+                                        *({"name": name, "lark_grammar": text} for name, text in self.subgrammars)]})
+
 
 def reply_constraint(request: GenerationRequest, *, starts_in_thinking: bool = False) -> Constraint | None:
     """The grammar of the whole reply, or None when the reply is free. Raises APIError (400) for
     a tool_choice that cannot be met or a json_schema format without a schema."""
     tools = request.offered_tools
     builder = _Builder()
+    grammar_tools = [tool for tool in tools if tool.kind == "custom" and tool.grammar is not None]
     if request.tool_choice.mode == "required":
         reply = builder.tool_call(_forced_tools(request, tools))
     elif request.output_format.type != "text":
@@ -68,6 +87,8 @@ def reply_constraint(request: GenerationRequest, *, starts_in_thinking: bool = F
         if tools:
             # tool_choice auto: the model may still call a tool instead of answering.
             reply = f"{reply} | {builder.tool_call(tools)}"
+    elif grammar_tools:
+        reply = builder.free_text_with_custom_calls(grammar_tools)
     else:
         return None
     rules = [f"start: {'reasoning ' if starts_in_thinking else ''}reply", f"reply: {reply}", *builder.rules]
@@ -126,6 +147,26 @@ class _Builder:
         return f"{_literal(opening)} {arguments} {_literal('}')}"
 
     def _custom_call(self, index: int, tool: ToolSpec) -> str:
+        name = self._input_grammar(index, tool)
+        return f"{_literal(custom_call_opening(tool.name))} @{name} {_literal(CUSTOM_CALL_CLOSING)}"
+
+    def free_text_with_custom_calls(self, tools: Sequence[ToolSpec]) -> str:
+        # Regex pieces: each tool's XML opening tag and its JSON-form name.
+        tags = [_regex_escape(f"{FUNCTION_OPEN}{tool.name}>") for tool in tools]
+        json_names = [r'"name":\s*' + _regex_escape(json.dumps(tool.name, ensure_ascii=False)) for tool in tools]
+        calls = []
+        for index, tool in enumerate(tools):
+            others = "|".join(json_names + tags[:index] + tags[index + 1:])
+            self.rules.append(f"before_call_{index}[lazy]: /(?s:.*){_regex_escape(custom_call_opening(tool.name))}/"
+                              f" & ~/(?s:.*)({others})(?s:.*)/")
+            name = self._input_grammar(index, tool)
+            calls.append(f"before_call_{index} @{name} {_literal(CUSTOM_CALL_CLOSING)} text_and_calls")
+        self.rules.append(f"text_and_calls: FREE_TEXT | {' | '.join(calls)}")
+        self.rules.append(f"FREE_TEXT: /(?s:.*)/ & ~/(?s:.*)({'|'.join(tags + json_names)})(?s:.*)/")
+        return "text_and_calls"
+
+    def _input_grammar(self, index: int, tool: ToolSpec) -> str:
+        """Registers the custom tool's grammar as subgrammar input_INDEX; returns that name."""
         grammar = tool.grammar
         assert grammar is not None
         name = f"input_{index}"
@@ -133,8 +174,7 @@ class _Builder:
         self.parts.append(GrammarPart(where, "tools", grammar.syntax, grammar.definition))
         lark = grammar.definition if grammar.syntax == "lark" else regex_lark(grammar.definition)
         self.subgrammars.append((name, lark))
-        opening = f"{FUNCTION_OPEN}{tool.name}>\n<parameter=input>\n"
-        return f"{_literal(opening)} @{name} {_literal(chr(10) + '</parameter>' + chr(10) + FUNCTION_CLOSE)}"
+        return name
 
     def _json_rule(self, name: str, schema: dict[str, Any]) -> str:
         self.rules.append(f"{name}: %json {json.dumps(schema, ensure_ascii=False)}")
@@ -150,6 +190,19 @@ def _with_options(schema: dict[str, Any], options: dict[str, Any]) -> dict[str, 
 def regex_lark(regex: str) -> str:
     """A regular expression as a one-rule Lark grammar; '/' ends a Lark regex, so it is escaped."""
     return "start: /" + re.sub(r"(?<!\\)/", r"\\/", regex) + "/\n"
+
+
+def _regex_escape(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/ (llguidance's regex syntax, '/' ends it)."""
+    out = []
+    for char in text:
+        if char == "\n":
+            out.append("\\n")
+        elif char.isalnum() or char in " _<>=:,;'\"!%@`":
+            out.append(char)
+        else:
+            out.append("\\" + char)
+    return "".join(out)
 
 
 def _literal(text: str) -> str:

@@ -28,6 +28,12 @@ from dflash.protocols.canonical import (OutputEvent, ReasoningDelta, TextDelta, 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
+# A custom tool's call in the XML form: its raw input needs no JSON escaping.
+CUSTOM_CALL_CLOSING = "\n</parameter>\n" + FUNCTION_CLOSE
+
+
+def custom_call_opening(name: str) -> str:
+    return f"{FUNCTION_OPEN}{name}>\n<parameter=input>\n"
 
 FUNCTION_RE = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|\Z)", re.S)
 PARAMETER_RE = re.compile(r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)

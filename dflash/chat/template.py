@@ -24,6 +24,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from dflash.chat.parser import CUSTOM_CALL_CLOSING, custom_call_opening
 from dflash.chat.tool_memory import ToolMemory
 from dflash.protocols.canonical import GenerationRequest, Message, ToolCall, ToolSpec
 
@@ -254,10 +255,22 @@ def builtin_tool_prompt(tools: Sequence[ToolSpec]) -> str:
         "<tool_call></tool_call> XML tags:\n"
         '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n\n'
         f"For example:\n{builtin_call_text(example)}"
+        + _custom_tool_note(tools)
     )
 
 
+def _custom_tool_note(tools: Sequence[ToolSpec]) -> str:
+    custom = next((tool for tool in tools if tool.kind == "custom"), None)
+    if custom is None:
+        return ""
+    example = ToolCall(id="", name=custom.name, arguments="...", kind="custom")
+    return ("\n\nA function whose only parameter is `input` (raw text) is called with that text as it is, "
+            f"not in JSON:\n{builtin_call_text(example)}")
+
+
 def builtin_call_text(call: ToolCall) -> str:
+    if call.kind == "custom":
+        return f"<tool_call>\n{custom_call_opening(call.name)}{call.arguments}{CUSTOM_CALL_CLOSING}\n</tool_call>"
     payload = {"name": call.name, "arguments": _arguments(call)}
     return f"<tool_call>\n{json.dumps(payload, ensure_ascii=False)}\n</tool_call>"
 

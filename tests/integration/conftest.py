@@ -41,10 +41,12 @@ def running_server(folder: Path, config_text: str):
             process.wait()
 
 
-def server_config(**cache: object) -> str:
-    lines = "".join(f"{key} = {json.dumps(value)}\n" for key, value in cache.items())
+def server_config(speculative: dict | None = None, **cache: object) -> str:
+    def lines(keys: dict) -> str:
+        return "".join(f"{key} = {json.dumps(value)}\n" for key, value in keys.items())
+
     return (f'[server]\nport = 0\nshutdown_grace_s = 5\n[model]\nmax_ctx = {MAX_CTX}\n'
-            f'[cache]\n{lines}[logging]\nformat = "json"\n')
+            f'[speculative]\n{lines(speculative or {})}[cache]\n{lines(cache)}[logging]\nformat = "json"\n')
 
 
 @pytest.fixture(scope="session")

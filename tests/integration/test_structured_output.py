@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.integration.conftest import running_server, server_config
 from tests.integration.structured_schemas import SCHEMAS
 
 FIXTURE = Path(__file__).parents[2] / "../shared/fixtures/clients/claude-code-2.1.197-messages-request.json"
@@ -154,6 +155,37 @@ def test_a_forced_custom_tool_input_follows_its_grammar(server, syntax, definiti
     body = reply.json()
     [call] = [item for item in body["output"] if item["type"] == "custom_tool_call"]
     assert call["name"] == "shell" and re.fullmatch(pattern, call["input"]), call
+
+
+# ---- speculation on and off ------------------------------------------------------------------
+
+def constrained_replies(server) -> tuple[list[Any], int]:
+    """Greedy constrained replies (two schemas, a forced Claude Code call) and the tokens drafted."""
+    replies, drafted = [], 0
+    for schema in SCHEMAS[:2]:
+        body = post(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}}).json()
+        replies.append(body["choices"][0]["message"]["content"])
+        drafted += body["usage"]["timings"]["draft_tokens"]
+    body = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Show me what is in the file /etc/hostname."}], "max_tokens": 60,
+        "tools": [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                    "parameters": t["input_schema"]}} for t in claude_tools()],
+        "tool_choice": "required"}).json()
+    replies.append(body["choices"][0]["message"]["tool_calls"][0]["function"])
+    drafted += body["usage"]["timings"]["draft_tokens"]
+    return replies, drafted
+
+
+def test_constrained_replies_are_the_same_with_speculation_on_and_off(tmp_path):
+    # On: n-gram and DFlash drafts at every step (no adaptive pauses); off: plain decoding.
+    with running_server(tmp_path / "on", server_config({"drafter": "auto", "adaptive": False})) as started:
+        on, drafted = constrained_replies((started["listening"], started["model"]))
+    with running_server(tmp_path / "off", server_config({"drafter": "none"})) as started:
+        off, none = constrained_replies((started["listening"], started["model"]))
+    assert drafted > 0 and none == 0
+    assert on == off
 
 
 # ---- invalid schemas ---------------------------------------------------------------------------

@@ -6,11 +6,13 @@ import json
 import jsonschema
 import pytest
 
+from dflash.chat.constraints import reply_constraint
 from dflash.chat.template import render_prompt
 from dflash.engine.grammar import GrammarError, json_schema_grammar, lark_grammar
 from dflash.engine.loading import load_model
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
+from dflash.protocols.canonical import GenerationRequest, Message, ToolGrammar, ToolSpec
 
 SCHEMAS = [
     {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
@@ -70,3 +72,23 @@ def test_invalid_schemas_are_clear_errors(loaded):
         grammar_tokenizer.validate(json_schema_grammar({"type": "object", "properties": {"a": {"type": "nonsense"}}}))
     with pytest.raises(GrammarError):
         grammar_tokenizer.validate(lark_grammar("start: ("))
+
+
+PATCH_GRAMMAR = 'start: "*** Begin Patch\\n" /[a-z ]+/ "\\n*** End Patch"\n'
+
+
+@pytest.mark.parametrize("text, accepted", [
+    ("I will edit it.\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n*** Begin Patch\nabc def\n"
+     "*** End Patch\n</parameter>\n</function>\n</tool_call>\nDone.", True),
+    ('Reading first.\n<tool_call>\n{"name": "read", "arguments": {"path": "a.py"}}\n</tool_call>', True),
+    ("Plain words, no call at all.", True),
+    ("<tool_call>\n<function=apply_patch>\n<parameter=input>\nrm -rf /", False),  # input off the grammar
+    ('<tool_call>\n{"name": "apply_patch", "arguments": {"input": "x"}}', False),  # JSON form cannot be checked
+])
+def test_with_tool_choice_auto_a_custom_tool_input_follows_its_grammar(loaded, text, accepted):
+    tools = (ToolSpec("read", parameters={"type": "object", "properties": {"path": {"type": "string"}}}),
+             ToolSpec("apply_patch", kind="custom", grammar=ToolGrammar("lark", PATCH_GRAMMAR)))
+    constraint = reply_constraint(GenerationRequest(messages=(Message("user", "edit"),), tools=tools))
+    matcher = loaded.engine.grammar_tokenizer().matcher(constraint.grammar())
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    assert (matcher.valid_prefix(ids) == len(ids)) is accepted

@@ -93,6 +93,29 @@ def test_a_custom_tool_with_a_grammar_is_forced_in_the_xml_form_with_its_grammar
     assert [(call.kind, call.arguments) for call in parser.tool_calls] == [("custom", '*** Begin Patch\n{"x": 1}')]
 
 
+def test_with_tool_choice_auto_a_custom_tool_grammar_applies_from_its_call_on():
+    constraint = reply_constraint(request(tools=(WEATHER, PATCH)))
+    assert valid(constraint)
+    assert constraint.subgrammars == (("input_0", PATCH.grammar.definition),)
+    assert constraint.lark.startswith("start: reply\nreply: text_and_calls\n")
+    assert "before_call_0[lazy]: /(?s:.*)<function=apply_patch>\\n<parameter=input>\\n/" in constraint.lark
+
+
+def test_the_tool_prompt_teaches_the_xml_form_for_custom_tools():
+    from dflash.chat.template import builtin_call_text, builtin_tool_prompt
+    from dflash.protocols.canonical import ToolCall
+
+    call = ToolCall("c1", "apply_patch", "*** Begin Patch\nabc", kind="custom")
+    assert builtin_call_text(call) == ("<tool_call>\n<function=apply_patch>\n<parameter=input>\n*** Begin Patch\nabc"
+                                       "\n</parameter>\n</function>\n</tool_call>")
+    assert "<function=apply_patch>" in builtin_tool_prompt((WEATHER, PATCH))
+    assert "<function=" not in builtin_tool_prompt((WEATHER,))
+    parser = OutputParser(tools=(PATCH,))
+    parser.feed(builtin_call_text(call))
+    parser.finish()
+    assert [(c.name, c.kind, c.arguments) for c in parser.tool_calls] == [("apply_patch", "custom", call.arguments)]
+
+
 def test_a_regex_custom_tool_grammar_becomes_a_lark_rule():
     tool = ToolSpec("path", kind="custom", grammar=ToolGrammar("regex", "[a-z]+/[a-z]+"))
     constraint = reply_constraint(request(tools=(tool,), tool_choice=ToolChoice("required")))
