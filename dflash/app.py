@@ -54,6 +54,7 @@ def load_served_model(full_config: Config) -> tuple[Any, ModelText]:
         disk_cache_dir=os.path.expanduser(cache.disk_dir) if cache.disk_dir else None,
         disk_cache_mib=cache.disk_max_mib,
         agent_turn_cache=cache.agent_turn_cache,
+        reuse_live_state=cache.reuse_live_state,
     )
     text = ModelText(
         model_id=loaded.model_id,

@@ -113,6 +113,9 @@ class CacheConfig:
     disk_dir: str = ""  # "" keeps snapshots in memory only
     disk_max_mib: int = attrs.field(default=4096, validator=_ints(1))
     agent_turn_cache: bool = False
+    # The KV state the last request left behind serves the next request's shared prefix without a
+    # copy; false makes every request start from a snapshot or from scratch (for measuring).
+    reuse_live_state: bool = True
 
 
 @attrs.frozen

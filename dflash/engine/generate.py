@@ -76,8 +76,11 @@ class Engine:
         disk_cache: DiskCache | None = None,
         grammar_tokenizer_factory=None,
         agent_turn_replay: bool = False,
+        reuse_live_state: bool = True,
     ):
         self.model = model
+        # Off: every request starts from a snapshot or from nothing (what "caches off" means in benches).
+        self.reuse_live_state = reuse_live_state
         self.agent_turn_replay = agent_turn_replay
         self.disk_cache = disk_cache
         # Built on the first constrained request (llguidance takes about a second to read a vocabulary).
@@ -178,7 +181,7 @@ class Engine:
         """Make the KV state hold the longest available prefix of `prompt` (keeping at least one
         token to compute): the live state's common prefix or a cached snapshot, whichever is deeper.
         Returns how many prompt tokens it holds, and whether they include a generated turn."""
-        live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1)
+        live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1) if self.reuse_live_state else 0
         candidates = [self.prefix_cache.lookup(prompt), self.prompt_cache.lookup(prompt)]
         entry = max((c for c in candidates if c is not None), key=lambda c: len(c.tokens), default=None)
         depth = max(live, len(entry.tokens) if entry is not None else 0)

@@ -69,6 +69,7 @@ def load_model(
     disk_cache_dir: str | os.PathLike | None = None,
     disk_cache_mib: int = 4096,
     agent_turn_cache: bool = False,
+    reuse_live_state: bool = True,
 ) -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -115,6 +116,7 @@ def load_model(
         prompt_cache=PrefixCache(prefill_cache_slots, _share(cache_budget_mib, prefill_cache_slots, prefix_cache_slots)),
         grammar_tokenizer_factory=lambda: GrammarTokenizer(tokenizer, model.args.vocab_size, eos_ids),
         agent_turn_replay=agent_turn_cache,
+        reuse_live_state=reuse_live_state,
         disk_cache=(
             DiskCache(disk_cache_dir, disk_cache_mib << 20, model_identity(folder, dtype, max_ctx, tokenizer, draft_model))
             if disk_cache_dir and backend == "native"

@@ -69,6 +69,18 @@ def test_next_prompt_reuses_the_live_prefix_and_gives_the_same_tokens():
     assert out == reference_greedy(engine, follow_up, 5)
 
 
+def test_with_live_state_reuse_off_the_next_prompt_is_computed_from_scratch():
+    engine = make_engine()
+    engine.reuse_live_state = False
+    first = engine.start(PROMPT, SamplingParams(), max_tokens=4)
+    first.run()
+    follow_up = PROMPT + first.output + [8, 8, 1]
+    generation = engine.start(follow_up, SamplingParams(), max_tokens=5)
+    out = generation.run()
+    assert (generation.stats.cached_tokens, generation.stats.prefilled_tokens) == (0, len(follow_up))
+    assert out == reference_greedy(engine, follow_up, 5)
+
+
 def test_closing_mid_prefill_leaves_the_engine_ready():
     engine = make_engine(prefill_chunk=2)
     abandoned = engine.start([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), max_tokens=3)
