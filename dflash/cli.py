@@ -110,6 +110,8 @@ def _add_train_drafter(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--anchors", type=int, default=16, help="blocks per sample per step")
     train.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target dtype")
     train.add_argument("--threads", type=int, default=_MODEL_DEFAULTS.threads)
+    train.add_argument("--data-workers", type=int, default=1,
+                       help="processes generating the data, sharing --threads (2 on a 2-core CPU is ~1.7x faster)")
     train.add_argument("--resume", action="store_true", help="continue from the folder's last checkpoint")
     train.set_defaults(handler=_train_drafter)
 
@@ -121,7 +123,13 @@ def _train_drafter(args: argparse.Namespace) -> int:
     logs.configure("warning", "console")
     from dflash.engine.drafters.dflash import build_target_layer_ids
     from dflash.engine.loading import ModelLoadError, load_model
-    from dflash.engine.train_drafter import TrainOptions, choose_mask_token, generate_data, train
+    from dflash.engine.train_drafter import (
+        TrainOptions,
+        choose_mask_token,
+        generate_data,
+        generate_data_parallel,
+        train,
+    )
     from dflash.train_prompts import default_prompts
 
     try:
@@ -135,7 +143,12 @@ def _train_drafter(args: argparse.Namespace) -> int:
         prompts = default_prompts(args.prompt_count)
     layer_ids = args.target_layer_ids or tuple(build_target_layer_ids(loaded.engine.model.args.num_layers, args.layers))
     out = Path(args.out)
-    shards = generate_data(loaded, prompts[: args.prompt_count], out, layer_ids, args.tokens)
+    prompts = prompts[: args.prompt_count]
+    if args.data_workers > 1:
+        shards = generate_data_parallel(args.target, args.dtype, args.threads, _MODEL_DEFAULTS.max_ctx, prompts, out,
+                                        layer_ids, args.tokens, args.data_workers)
+    else:
+        shards = generate_data(loaded, prompts, out, layer_ids, args.tokens)
     options = TrainOptions(layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
                            tokens_per_response=args.tokens, steps=args.steps, anchors=args.anchors)
     summary = train(loaded, shards, out, options, choose_mask_token(loaded.tokenizer), resume=args.resume)
