@@ -2,13 +2,20 @@
 that decodes losslessly."""
 
 import pytest
+import torch
 
 from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
 from dflash.engine.generate import Engine
 from dflash.engine.loading import load_model
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
-from dflash.engine.train_drafter import TrainOptions, choose_mask_token, generate_data, train
+from dflash.engine.train_drafter import (
+    TrainOptions,
+    choose_mask_token,
+    generate_data,
+    generate_data_parallel,
+    train,
+)
 from tests.model.test_loading import write_hf_folder
 
 
@@ -19,6 +26,7 @@ def tiny_target(tmp_path_factory):
     loaded = load_model(str(folder), dtype="float32", max_ctx=256, threads=1)
     loaded.tokenizer.add_special_tokens({"additional_special_tokens": ["t126"]})
     loaded.tokenizer.chat_template = "{% for m in messages %}t1 {{ m['content'] }} t3 {% endfor %}t4"
+    loaded.tokenizer.save_pretrained(folder)  # worker processes load the target from the folder
     return loaded
 
 
@@ -46,3 +54,14 @@ def test_tiny_training_run_learns_and_its_checkpoint_decodes_losslessly(tiny_tar
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
     generation = Engine(target, max_ctx=256, speculation=config, dflash_drafter=drafter).start(prompt, SamplingParams(), 16)
     assert generation.run() == plain and generation.stats.verification_steps > 0
+
+
+def test_data_from_several_worker_processes_equals_data_from_one(tiny_target, tmp_path):
+    prompts = [f"t{5 + i} t{9 + i}" for i in range(5)]
+    serial = generate_data(tiny_target, prompts, tmp_path / "one", (0, 2), tokens=12, progress=False)
+    parallel = generate_data_parallel(str(tiny_target.folder), "float32", 2, 256, prompts, tmp_path / "two", (0, 2),
+                                      tokens=12, workers=2, progress=False)
+    assert [p.name for p in parallel] == [p.name for p in serial]
+    for a, b in zip(serial, parallel):
+        one, two = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+        assert torch.equal(one["tokens"], two["tokens"]) and torch.equal(one["rows"], two["rows"])
