@@ -308,7 +308,9 @@ class API:
         request, prompt = served.request, served.prompt
         parser = OutputParser(tools=request.offered_tools, stop=request.stop,
                               starts_in_thinking=prompt.starts_in_thinking,
-                              parallel_tool_calls=request.parallel_tool_calls, call_id=served.call_id)
+                              parallel_tool_calls=request.parallel_tool_calls, call_id=served.call_id,
+                              # a forced call is well-formed by grammar: announce it at its name
+                              announce_calls_early=request.tool_choice.mode == "required")
         detokenizer = self._model.new_detokenizer()
         last: JobStep | None = None
         while (step := await job.next_step()) is not None:

@@ -35,6 +35,12 @@ CUSTOM_CALL_CLOSING = "\n</parameter>\n" + FUNCTION_CLOSE
 def custom_call_opening(name: str) -> str:
     return f"{FUNCTION_OPEN}{name}>\n<parameter=input>\n"
 
+# The start of a call block up to its tool's name: a Hermes JSON call ({"name": "X", ...) or the
+# XML form (<function=X>), after <tool_call>; or the rest of a bare <function=X>.
+CALL_NAME_RE = {
+    TOOL_CALL_OPEN: re.compile(r'\s*(?:\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,|<function=([^>\s]+)>)'),
+    FUNCTION_OPEN: re.compile(r"()([^>\s]+)>"),
+}
 FUNCTION_RE = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|\Z)", re.S)
 PARAMETER_RE = re.compile(r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
@@ -78,7 +84,8 @@ class OutputParser:
     """Generated text in, canonical events out. `feed` each detokenized piece, then `finish`."""
 
     def __init__(self, *, tools: Sequence[ToolSpec] = (), stop: Sequence[str] = (), starts_in_thinking: bool = False,
-                 parallel_tool_calls: bool = True, call_id: Callable[[], str] = new_call_id):
+                 parallel_tool_calls: bool = True, call_id: Callable[[], str] = new_call_id,
+                 announce_calls_early: bool = False):
         self._stops = StopStrings(stop)
         self._tools = {tool.name: tool for tool in tools}
         self._parallel = parallel_tool_calls
@@ -86,6 +93,11 @@ class OutputParser:
         self._mode = "reasoning" if starts_in_thinking else "content"
         self._pending = ""  # text read but not yet classified; always a suffix of raw_text
         self._tool_opener = ""
+        # Announce a call when its tool's name is read rather than when the call is complete. Only
+        # where a grammar makes every call well-formed: an unparsable block can then no longer
+        # fall back to text (a call cut by max_tokens ends with empty arguments).
+        self._announce_early = announce_calls_early
+        self._opened: tuple[str, ToolSpec] | None = None  # (id, tool) of a call announced before its end
         self._json_scan = _ObjectScan()
         self._reasoning_started = False
         self._content_started = False  # leading whitespace of a reply is dropped
@@ -172,6 +184,7 @@ class OutputParser:
         closer = TOOL_CALL_CLOSE if self._tool_opener == TOOL_CALL_OPEN else FUNCTION_CLOSE
         index = self._pending.find(closer)
         if index < 0 and not final:
+            self._open_call_early(events)
             return False
         inner = self._pending if index < 0 else self._pending[:index]
         rest = "" if index < 0 else self._pending[index + len(closer):]
@@ -186,7 +199,7 @@ class OutputParser:
         block = inner if closer == TOOL_CALL_CLOSE else FUNCTION_OPEN + inner + FUNCTION_CLOSE
         self._pending, self._mode = rest, "content"
         calls = self._parse_block(block)
-        if calls:
+        if calls or self._opened is not None:
             self._emit_calls(events, calls)
         else:
             self._emit_text(events, written)
@@ -219,13 +232,39 @@ class OutputParser:
             self._content_started = True
             events.append(TextDelta(text))
 
+    def _open_call_early(self, events: list[OutputEvent]) -> None:
+        """Announce the call as soon as its tool's name is read, so a client sees it begin (a
+        tool_use block, a call chunk) while its arguments are still being generated."""
+        if not self._announce_early or self._opened is not None:
+            return
+        match = CALL_NAME_RE[self._tool_opener].match(self._pending)
+        if match is None:
+            return
+        name = match.group(1) or match.group(2)
+        if match.group(1):
+            try:
+                name = json.loads(f'"{name}"')
+            except json.JSONDecodeError:
+                return
+        tool = self._tools.get(name)
+        if tool is None:
+            return
+        self._opened = (self._call_id(), tool)
+        events.append(ToolCallStart(len(self.tool_calls), self._opened[0], tool.name, tool.kind, tool.namespace))
+
     def _emit_calls(self, events: list[OutputEvent], calls: list[tuple[ToolSpec, Any]]) -> None:
-        for tool, arguments in calls:
+        opened, self._opened = self._opened, None
+        if opened is not None and (not calls or calls[0][0] is not opened[1]):
+            # The block that began as a call to this tool did not parse as one (cut by max_tokens,
+            # or broken): the announced call still has to end, with empty arguments.
+            calls = [(opened[1], {} if opened[1].kind == "function" else ""), *calls]
+        for position, (tool, arguments) in enumerate(calls):
             index = len(self.tool_calls)
-            call = _tool_call(self._call_id(), tool, arguments)
+            call = _tool_call(opened[0] if opened is not None and position == 0 else self._call_id(), tool, arguments)
             self.tool_calls.append(call)
-            events += [ToolCallStart(index, call.id, call.name, call.kind, tool.namespace),
-                       ToolCallDelta(index, call.arguments), ToolCallEnd(index, call)]
+            if opened is None or position > 0:
+                events.append(ToolCallStart(index, call.id, call.name, call.kind, tool.namespace))
+            events += [ToolCallDelta(index, call.arguments), ToolCallEnd(index, call)]
             if not self._parallel:
                 # One call is all the client allows: the turn ends with it. What came after it
                 # (the unread `_pending`) is not part of the turn, for tool memory either.

@@ -177,3 +177,42 @@ def test_plain_text_without_tags_is_unchanged(text):
     expected = text.lstrip()
     assert "".join(piece for kind, piece in events if kind == "text") == expected or "<think>" in text \
         or "</think>" in text
+
+
+def test_an_announced_call_starts_when_its_name_is_read():
+    parser = OutputParser(tools=TOOLS, announce_calls_early=True)
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    name_read = text.index('",') + 2
+    before = parser.feed(text[:name_read - 3])
+    assert summary(before) == []
+    started = parser.feed(text[name_read - 3:name_read])
+    assert summary(started) == [("call", "0:get_weather:function")]
+    rest = parser.feed(text[name_read:]) + parser.finish()
+    assert summary(rest) == [("args", '{"city":"Oslo"}'), ("end", '{"city":"Oslo"}')]
+    assert started[0].id == rest[-1].call.id == parser.tool_calls[0].id
+
+
+def test_an_announced_call_in_the_xml_form_starts_at_its_tag_and_keeps_raw_input():
+    text = "<tool_call>\n<function=apply_patch>\n<parameter=input>\n*** Begin\n</parameter>\n</function>\n</tool_call>"
+    parser = OutputParser(tools=TOOLS, announce_calls_early=True)
+    started = parser.feed(text[: text.index("<parameter")])
+    assert summary(started) == [("call", "0:apply_patch:custom")]
+    assert summary(parser.feed(text[len(text[: text.index("<parameter")]):]) + parser.finish()) == [
+        ("args", "*** Begin"), ("end", "*** Begin")]
+
+
+def test_an_announced_call_cut_short_still_ends_with_empty_arguments():
+    events, parser = parse(by_char('<tool_call>\n{"name": "get_weather", "arguments": {"ci'), announce_calls_early=True)
+    assert events == [("call", "0:get_weather:function"), ("args", "{}"), ("end", "{}")]
+    assert len(parser.tool_calls) == 1
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(SPLIT_TEXT := (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "x"}}\n</tool_call>'))), max_size=8))
+def test_announced_calls_give_the_same_calls_however_the_text_is_split(cuts):
+    bounds = sorted(set(cuts))
+    pieces = [SPLIT_TEXT[a:b] for a, b in zip([0, *bounds], [*bounds, len(SPLIT_TEXT)])]
+    early, _ = parse(pieces, announce_calls_early=True)
+    late, _ = parse([SPLIT_TEXT])
+    assert early == late
