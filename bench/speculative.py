@@ -1,6 +1,7 @@
 """Speculative decoding on the embedded model: plain vs n-gram vs DFlash vs auto, greedy.
 
-For (a) code-editing prompts whose answer repeats the input and (b) ordinary chat questions, prints
+For (a) code-editing prompts whose answer repeats the input, (b) ordinary chat questions and (c)
+coding tasks — none of them in the drafter's training set — prints
 decode tok/s, mean acceptance length τ and the ratio to plain decoding, and checks that every mode's
 output is identical to plain greedy decoding.
 
@@ -52,6 +53,10 @@ CHAT = [
     "What are three good habits for a software engineer?",
     "Explain what a hash table is in two sentences.",
 ]
+CODING = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that checks whether a string is a palindrome.",
+]
 
 
 def run(engine, prompt_ids, tokens):
@@ -90,13 +95,14 @@ def main() -> None:
         "plain": (SpeculationConfig(), None),
         "ngram": (SpeculationConfig(drafter="ngram", max_draft_tokens=8), None),
         "dflash": (SpeculationConfig(drafter="dflash", max_draft_tokens=block), drafter),
+        "dflash, fixed block": (SpeculationConfig(drafter="dflash", max_draft_tokens=block, adaptive=False), drafter),
         "auto": (SpeculationConfig(drafter="auto", max_draft_tokens=block), drafter),
     }
     print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads} tokens={args.tokens} "
           f"draft={'random weights' if not args.draft else args.draft}")
     print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
     print("|---|---|---|---|---|---|")
-    for label, prompts in (("(a) code editing", CODE_EDITING), ("(b) chat", CHAT)):
+    for label, prompts in (("(a) code editing", CODE_EDITING), ("(b) chat", CHAT), ("(c) coding", CODING)):
         ids = [render_prompt(loaded.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
         baseline_rate, baseline_out = None, None
         for mode, (config, mode_drafter) in modes.items():

@@ -31,8 +31,9 @@ def test_a_restart_with_the_same_disk_dir_restores_the_conversation(tmp_path):
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
 
 
-def tool_conversation(base_url: str) -> list[str]:
-    """Three turns through the three dialects; returns every reply's text/arguments."""
+def tool_conversation(base_url: str) -> tuple[list[str], int]:
+    """Three turns through the three dialects: every reply's text/arguments, and the prompt tokens
+    the second turn restored instead of computing."""
     tools = [{"type": "function", "function": WEATHER}]
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the weather in Oslo?"}]
     first = chat(base_url, history, tools=tools, tool_choice="required", max_tokens=40)
@@ -45,14 +46,16 @@ def tool_conversation(base_url: str) -> list[str]:
     responses = httpx.post(f"{base_url}/v1/responses", timeout=180, json={
         "model": "m", "max_output_tokens": 12, "instructions": SYSTEM,
         "input": "What is the weather in Oslo?"}).json()
-    return [message["tool_calls"][0]["function"]["arguments"], second["choices"][0]["message"]["content"],
-            anthropic["content"][0]["text"], responses["output"][-1]["content"][0]["text"]]
+    return ([message["tool_calls"][0]["function"]["arguments"], second["choices"][0]["message"]["content"],
+             anthropic["content"][0]["text"], responses["output"][-1]["content"][0]["text"]],
+            second["usage"]["timings"]["cached_prefix_tokens"])
 
 
 def test_replies_are_the_same_with_every_cache_on_and_off(tmp_path, server):
     base_url, _ = server  # the suite's server: every cache on
-    cached = tool_conversation(base_url)
-    off = server_config(prefix_cache_slots=0, prefill_cache_slots=0)
+    cached, restored = tool_conversation(base_url)
+    off = server_config(prefix_cache_slots=0, prefill_cache_slots=0, reuse_live_state=False)
     with running_server(tmp_path, off) as started:
-        uncached = tool_conversation(started["listening"])
+        uncached, restored_off = tool_conversation(started["listening"])
+    assert restored > 0 and restored_off == 0  # the second turn: its first turn reused, or computed again
     assert cached == uncached
