@@ -4,9 +4,14 @@ time to first token and the prompt tokens the server had to compute.
 
 The conversation starts from the captured Claude Code request (its system prompt, trimmed to
 `--system-tokens`, and a few of its tools); each turn the model is made to call a tool, and the
-tool's result (a file of realistic size) is appended, as an agent does.
+tool's result is appended, as an agent does. The results cycle through the sizes a coding agent's
+tools typically return: a directory listing (~90 tokens), a file read (~500), a grep (~170), a
+test run (~260).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/agent_loop.py [--turns 4] [--system-tokens 3000]
+"caches off" turns off both snapshot caches and the reuse of the engine's live state: every turn
+computes its whole prompt. The last column is caches-off TTFT over agent-turn-cache TTFT.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/agent_loop.py [--turns 5] [--system-tokens 3000]
 """
 
 from __future__ import annotations
@@ -24,8 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.live_server import LiveServer  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "clients" / "claude-code-2.1.197-messages-request.json"
-TOOL_RESULT = "\n".join(f"def handler_{i}(request):\n    return respond(request, status={200 + i % 5})\n"
-                        for i in range(24))  # ~500 tokens of code, like a file the agent read
+TOOL_RESULTS = [
+    "src/\nsrc/app.py\nsrc/handlers.py\nsrc/util.py\ntests/\ntests/test_app.py\ntests/test_handlers.py\n"
+    "README.md\npyproject.toml\n.gitignore",  # ls
+    "\n".join(f"def handler_{i}(request):\n    return respond(request, status={200 + i % 5})\n"
+              for i in range(24)),  # a file read
+    "\n".join(f"src/handlers.py:{3 * i + 1}:def handler_{i}(request):" for i in range(12)),  # grep
+    "\n".join(f"tests/test_handlers.py::test_handler_{i} PASSED" for i in range(14))
+    + "\n=========== 14 passed in 0.42s ===========",  # a test run
+]
 
 
 def conversation_start(system_tokens: int) -> tuple[str, list[dict]]:
@@ -82,39 +94,42 @@ def run(mode: str, cache: dict, turns: int, system: str, tools: list[dict]) -> l
             call = next((b for b in reply["content"] if b.get("type") == "tool_use"), None)
             if call is None:
                 break
+            result = TOOL_RESULTS[(turn - 1) % len(TOOL_RESULTS)]
             messages += [reply, {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": call["id"], "content": TOOL_RESULT}]}]
+                {"type": "tool_result", "tool_use_id": call["id"], "content": result}]}]
             time.sleep(0.5)  # the client runs its tool; the server is idle meanwhile
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--system-tokens", type=int, default=3000)
     args = parser.parse_args()
     system, tools = conversation_start(args.system_tokens)
     modes = {
-        "caches off": {"prefix_cache_slots": 0, "prefill_cache_slots": 0},
+        "caches off": {"prefix_cache_slots": 0, "prefill_cache_slots": 0, "reuse_live_state": False},
         "memory": {},
         "memory + agent turn cache": {"agent_turn_cache": True},
     }
     results = {mode: run(mode, cache, args.turns, system, tools) for mode, cache in modes.items()}
-    print(f"\nagent loop: {args.turns} turns, system prompt ~{args.system_tokens} tokens, tool results ~500 tokens")
-    print("| turn | prompt tokens | " + " | ".join(f"{m}: TTFT s / prefilled" for m in modes) + " |")
-    print("|---|---|" + "---|" * len(modes))
+    print(f"\nagent loop: {args.turns} turns, system prompt ~{args.system_tokens} tokens")
+    print("| turn | prompt tokens | " + " | ".join(f"{m}: TTFT s / prefilled" for m in modes) + " | off / turn cache |")
+    print("|---|---|" + "---|" * len(modes) + "---|")
     for index in range(args.turns):
-        cells = []
+        cells, ttfts = [], {}
         prompt = "-"
         for mode in modes:
             rows = results[mode]
             if index < len(rows):
                 turn, ttft, prompt_tokens, prefilled, hit = rows[index]
-                prompt = str(prompt_tokens)
+                prompt, ttfts[mode] = str(prompt_tokens), ttft
                 cells.append(f"{ttft:.2f} / {prefilled}{' (turn hit)' if hit else ''}")
             else:
                 cells.append("-")
-        print(f"| {index + 1} | {prompt} | " + " | ".join(cells) + " |")
+        first, last = list(modes)[0], list(modes)[-1]
+        ratio = f"{ttfts[first] / ttfts[last]:.1f}x" if first in ttfts and last in ttfts else "-"
+        print(f"| {index + 1} | {prompt} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":
