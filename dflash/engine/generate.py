@@ -208,17 +208,19 @@ class Engine:
                 self.dflash_drafter.crop(common)
         return len(entry.tokens)
 
-    def snapshot(self, cache: PrefixCache, generated_from: int | None = None) -> None:
-        """Store the committed state in `cache` (a right-sized copy)."""
-        if not cache.enabled or self.committed in cache:
+    def snapshot(self, cache: PrefixCache, generated_from: int | None = None, length: int | None = None) -> None:
+        """Store the state of the first `length` committed tokens (all by default) in `cache`, a
+        right-sized copy."""
+        tokens = self.committed if length is None else self.committed[:length]
+        if not cache.enabled or tokens in cache:
             return
-        rows = self.dflash_drafter.context_rows() if self.dflash_drafter is not None else None
-        if rows is not None and rows.shape[0] != len(self.committed):
+        rows = self.dflash_drafter.context_rows(len(tokens)) if self.dflash_drafter is not None else None
+        if rows is not None and rows.shape[0] != len(tokens):
             rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
-        snapshot = self.kv.snapshot()
-        cache.store(self.committed, snapshot, rows, generated_from)
+        snapshot = self.kv.snapshot(len(tokens))
+        cache.store(tokens, snapshot, rows, generated_from)
         if self.disk_cache is not None and isinstance(snapshot, KVSnapshot):  # not the transformers backend
-            self.disk_cache.store(self.committed, snapshot, rows)
+            self.disk_cache.store(tokens, snapshot, rows)
 
     def drafters(self) -> dict[str, object]:
         """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""
@@ -294,17 +296,23 @@ class Generation:
         return out
 
     def _prefill_chunk(self) -> StepOutput:
-        end = self.position + self.engine.prefill_chunk
+        start = self.position
+        end = start + self.engine.prefill_chunk
         pauses = self.boundaries + ([self.exact_prompt_boundary] if self.exact_prompt_boundary else [])
-        end = min([end] + [p for p in pauses if p > self.position])
-        chunk = self.prompt_ids[self.position : end]
+        if not self.engine.kv.snapshots_any_prefix:
+            end = min([end] + [p for p in pauses if p > start])
+        # Otherwise boundaries inside the chunk are snapshotted after it: splitting a chunk there
+        # would leave short pieces, and short bf16 matmuls cost per row on a CPU.
+        chunk = self.prompt_ids[start:end]
         self.position += len(chunk)
         self.stats.prefilled_tokens += len(chunk)
         logits = self.engine.forward(chunk)
-        if self.position in self.boundaries:
-            self.engine.snapshot(self.engine.prefix_cache, self._turn_within(self.position))
-        elif self.position == self.exact_prompt_boundary:
-            self.engine.snapshot(self.engine.prompt_cache, self._turn_within(self.position))
+        for boundary in self.boundaries:
+            if start < boundary <= self.position:
+                self.engine.snapshot(self.engine.prefix_cache, self._turn_within(boundary), length=boundary)
+        exact = self.exact_prompt_boundary
+        if exact is not None and start < exact <= self.position:
+            self.engine.snapshot(self.engine.prompt_cache, self._turn_within(exact), length=exact)
         if self.prefilling:
             return StepOutput([], None, "prefill")
         emitted = self._emit(self._sample(logits[-1]))

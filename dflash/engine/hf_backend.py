@@ -25,6 +25,8 @@ class HFArgs:
 class HFCache:
     """KV state over a transformers DynamicCache: a length, crop, snapshot and restore."""
 
+    snapshots_any_prefix = False  # a sliding-window layer may not crop back: snapshot where it stands
+
     def __init__(self, config, max_ctx: int):
         self.config = config
         self.max_ctx = max_ctx

@@ -24,6 +24,9 @@ class KVSnapshot:
 
 
 class KVCache:
+    # A snapshot of any prefix can be taken later: appending never changes the rows before it.
+    snapshots_any_prefix = True
+
     def __init__(
         self,
         layers: int,

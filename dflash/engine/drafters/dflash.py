@@ -242,9 +242,10 @@ class DFlashDrafter:
         self.length = min(self.length, length)
         self.kv.crop(min(self.kv.length, self.length))
 
-    def context_rows(self) -> Tensor:
-        """A copy of the captured rows of the committed tokens (for a prefix-cache snapshot)."""
-        return self.rows[: self.length].clone()
+    def context_rows(self, length: int | None = None) -> Tensor:
+        """A copy of the captured rows of the first `length` committed tokens (for a prefix-cache
+        snapshot); all of them by default."""
+        return self.rows[: self.length if length is None else min(length, self.length)].clone()
 
     def restore(self, rows: Tensor, common: int) -> None:
         """Adopt the committed rows of a restored snapshot; the first `common` rows are unchanged."""
