@@ -298,8 +298,9 @@ class Generation:
     def _prefill_chunk(self) -> StepOutput:
         start = self.position
         end = start + self.engine.prefill_chunk
-        pauses = self.boundaries + ([self.exact_prompt_boundary] if self.exact_prompt_boundary else [])
-        if not self.engine.kv.snapshots_any_prefix:
+        exact = self.exact_prompt_boundary
+        if not self.engine.kv.snapshots_any_prefix:  # the transformers backend: pause at each snapshot
+            pauses = self.boundaries + ([exact] if exact is not None else [])
             end = min([end] + [p for p in pauses if p > start])
         # Otherwise boundaries inside the chunk are snapshotted after it: splitting a chunk there
         # would leave short pieces, and short bf16 matmuls cost per row on a CPU.
@@ -310,7 +311,6 @@ class Generation:
         for boundary in self.boundaries:
             if start < boundary <= self.position:
                 self.engine.snapshot(self.engine.prefix_cache, self._turn_within(boundary), length=boundary)
-        exact = self.exact_prompt_boundary
         if exact is not None and start < exact <= self.position:
             self.engine.snapshot(self.engine.prompt_cache, self._turn_within(exact), length=exact)
         if self.prefilling:
