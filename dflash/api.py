@@ -30,6 +30,7 @@ from dflash.engine.sampling import SamplingParams
 from dflash.http.routing import CORSPolicy, Router
 from dflash.http.server import Handler, Request, Response, ResponseWriter
 from dflash.http.sse import open_sse_stream
+from dflash.http.websocket import HandshakeRefused, accept_websocket
 from dflash.protocols import anthropic, openai_chat, responses
 from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, Message, OutputEvent, SSEEvent,
                                         TokenLogprob, ToolCall,
@@ -37,6 +38,7 @@ from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, M
 from dflash.protocols.errors import APIError, anthropic_error_body, context_length_error, openai_error_body
 from dflash.protocols.openai_chat import CompletionHeader
 from dflash.protocols.response_store import ResponseStore
+from dflash.responses_socket import ResponsesSocket
 from dflash.scheduler import EngineFailed, Job, JobStep, QueueFull, Scheduler, ShuttingDown
 
 RETRY_AFTER_S = 1
@@ -185,11 +187,20 @@ class API:
                               for priority, model_id in enumerate(ids, start=1)]
         return Response.json(200, body)
 
-    async def responses_websocket(self, request: Request, writer: ResponseWriter) -> Response:
-        # Codex tries the Responses WebSocket transport first when configured to; 426 sends it
-        # straight to HTTP POST, where other statuses make it retry the WebSocket five times.
-        raise APIError(426, "the Responses WebSocket transport is not served here; use POST /v1/responses",
-                       headers=[("upgrade", "websocket")])
+    async def responses_websocket(self, request: Request, writer: ResponseWriter) -> Response | None:
+        request.log["dialect"] = "responses_websocket"
+        try:
+            socket = await accept_websocket(request, writer, max_message_bytes=self._config.server.max_body_bytes)
+        except HandshakeRefused as refused:
+            raise APIError(refused.status, str(refused)) from None
+        session = ResponsesSocket(self, socket, request, keepalive_s=self._keepalive_s)
+        await session.serve()
+        request.log["responses"] = session.responses_served
+        return None
+
+    def new_response_render(self, parsed: responses.ResponsesRequest) -> responses.ResponseRender:
+        return responses.ResponseRender(parsed, model=parsed.generation.model or self._model.model_id,
+                                        created_at=int(time.time()))
 
     async def get_response(self, request: Request, writer: ResponseWriter) -> Response:
         response_id = request.path[len(RESPONSES_PATH) + 1:]
@@ -209,7 +220,7 @@ class API:
     async def chat_completions(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "openai_chat"
         chat = openai_chat.parse_request(request.body)
-        served = self._prepare(chat, call_id=new_call_id)
+        served = self.prepare(chat, call_id=new_call_id)
         header = CompletionHeader(id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
                                   model=chat.model or self._model.model_id)
         render = openai_chat.ChatCompletionRender(header, chat)
@@ -218,7 +229,7 @@ class API:
     async def messages(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "anthropic"
         message = anthropic.parse_request(request.body)
-        served = self._prepare(message, call_id=anthropic.new_tool_use_id)
+        served = self.prepare(message, call_id=anthropic.new_tool_use_id)
         render = anthropic.MessageRender(f"msg_{secrets.token_hex(12)}", message.model or self._model.model_id,
                                          prompt_tokens=len(served.prompt.token_ids))
         return await self._answer(request, writer, served, render)
@@ -235,9 +246,8 @@ class API:
                                param="previous_response_id")
             earlier = previous.conversation
             parsed = responses.continuing(parsed, earlier)
-        served = self._prepare(parsed.generation, call_id=new_call_id)
-        render = responses.ResponseRender(parsed, model=parsed.generation.model or self._model.model_id,
-                                          created_at=int(time.time()))
+        served = self.prepare(parsed.generation, call_id=new_call_id)
+        render = self.new_response_render(parsed)
         reply = await self._answer(request, writer, served, render)
         if parsed.store:
             self.responses.put(render.response_id, render.body(),
@@ -246,7 +256,7 @@ class API:
 
     # ---- the shared way of a generation ----------------------------------------------------
 
-    def _prepare(self, request: GenerationRequest, *, call_id: Callable[[], str]) -> _Served:
+    def prepare(self, request: GenerationRequest, *, call_id: Callable[[], str] = new_call_id) -> _Served:
         prompt = self._render(request)
         self._check_logit_bias(request)
         max_tokens = self._fit_max_tokens(len(prompt.token_ids), request.max_tokens)
@@ -283,12 +293,29 @@ class API:
                                                                                 separators=(",", ":"))
                     await sse.send(data, name)
 
-            try:
-                await self._run_all(served, render, first_job, request, send=send)
-            except (ShuttingDown, EngineFailed, APIError) as exc:
-                await send(render.failure(exc if isinstance(exc, APIError) else _as_api_error(exc)))
-            else:
-                await send(render.closing())
+            await self._run_streamed(served, render, first_job, request, send)
+
+    async def _run_streamed(self, served: _Served, render: Renderer, first_job: Job, request: Request,
+                            send: Callable[[list[SSEEvent]], Awaitable[None]]) -> None:
+        """The events of a started stream; a failure now is the dialect's in-stream failure."""
+        try:
+            await self._run_all(served, render, first_job, request, send=send)
+        except (ShuttingDown, EngineFailed, APIError) as exc:
+            await send(render.failure(exc if isinstance(exc, APIError) else _as_api_error(exc)))
+        else:
+            await send(render.closing())
+
+    async def send_events(self, request: Request, served: _Served, render: Renderer,
+                          send: Callable[[list[SSEEvent]], Awaitable[None]]) -> None:
+        """A reply as events through `send`, for transports other than SSE (the Responses
+        WebSocket). A bad grammar or a full queue raise APIError before anything is sent."""
+        grammar = await self._checked_grammar(served.constraint)
+        first_job = self._submit(request, served, grammar)
+        try:
+            await self._run_streamed(served, render, first_job, request, send)
+        finally:
+            first_job.cancel()
+            self._record(request, served)
 
     async def _run_all(self, served: _Served, render: Renderer, first_job: Job, request: Request, *,
                        send: Callable[[list[SSEEvent]], Awaitable[None]]) -> None:

@@ -141,6 +141,17 @@ class _Connection:
             await trio.sleep_forever()
         return await self.receive()
 
+    async def send_raw(self, data: bytes) -> None:
+        """Bytes of the protocol the connection switched to (WebSocket frames)."""
+        async with self._send_lock:
+            await self._send_bytes(data)
+
+    async def receive_raw(self) -> bytes:
+        try:
+            return await self.stream.receive_some(RECEIVE_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+
     def has_buffered_bytes(self) -> bool:
         data, closed = self.h11.trailing_data
         return bool(data) or closed
@@ -205,6 +216,16 @@ class ResponseWriter:
         await self.start(response.status, [*response.headers, ("content-length", str(len(response.body)))])
         await self.write(response.body)
         await self.end()
+
+    async def switch_protocols(self, headers: Sequence[tuple[str, str]]) -> tuple[_Connection, bytes]:
+        """Answer an upgrade request with 101; the connection's bytes then belong to the caller.
+        Returns the connection (its `send_raw`/`receive_raw`) and the bytes the peer sent early."""
+        self.status = 101
+        await self._connection.send(h11.InformationalResponse(status_code=101, headers=[*headers, *self._headers],
+                                                              reason=_reason(101)))
+        self.finished = True
+        early_bytes, _ = self._connection.h11.trailing_data
+        return self._connection, bytes(early_bytes)
 
 
 Handler = Callable[[Request, ResponseWriter], Awaitable[Response | None]]
@@ -318,12 +339,16 @@ class HTTPServer:
         client_disconnected = False
         self.active_requests += 1
         try:
-            async with trio.open_nursery() as nursery:
-                watcher = PeerCloseWatcher(connection.receive_while_responding, nursery.cancel_scope)
-                nursery.start_soon(watcher.run)
+            if _asks_for_upgrade(request):
+                # The handler may take the socket over (WebSocket): nothing else may read it.
                 await self._run_handler(request, writer)
-                nursery.cancel_scope.cancel()
-            client_disconnected = watcher.peer_closed and not writer.finished
+            else:
+                async with trio.open_nursery() as nursery:
+                    watcher = PeerCloseWatcher(connection.receive_while_responding, nursery.cancel_scope)
+                    nursery.start_soon(watcher.run)
+                    await self._run_handler(request, writer)
+                    nursery.cancel_scope.cancel()
+                client_disconnected = watcher.peer_closed and not writer.finished
         except* ClientGone:
             client_disconnected = True
         finally:
@@ -366,6 +391,10 @@ class HTTPServer:
                  path=request.path if request else None, status=refusal.status, refused=refusal.message,
                  client_disconnected=False)
         await connection.linger_and_close()
+
+
+def _asks_for_upgrade(request: Request) -> bool:
+    return request.header("upgrade") is not None
 
 
 def _reason(status: int) -> bytes:

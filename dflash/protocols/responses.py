@@ -337,10 +337,21 @@ class ResponseRender:
     def closing(self) -> list[SSEEvent]:
         return []
 
+    def in_progress(self) -> list[SSEEvent]:
+        """The response as it stands, again: a harmless event while nothing else happens."""
+        return [self._event("response.in_progress", response=self._snapshot())]
+
+    def finish_without_output(self) -> list[SSEEvent]:
+        """`generate: false` (a warm-up): completed with no output and no model run."""
+        self._status = "completed"
+        self._usage = Usage()
+        return [self._event("response.completed", response=self._snapshot())]
+
     def failure(self, error: APIError) -> list[SSEEvent]:
         out = self._close()
         self._status = "failed"
-        self._error = {"code": "server_error" if error.status >= 500 else error_type(error), "message": error.message}
+        self._error = {"code": error.code or ("server_error" if error.status >= 500 else error_type(error)),
+                       "message": error.message}
         return out + [self._event("response.failed", response=self._snapshot())]
 
     def body(self) -> dict:

@@ -20,6 +20,7 @@ import openai
 import pytest
 import trio
 from transformers import AutoTokenizer
+from websockets.sync.client import connect
 
 from dflash.api import ModelText
 from dflash.app import serve
@@ -133,12 +134,26 @@ def test_codex_request(templated):
     assert catalog["models"][0]["slug"] == "smollm2-135m-instruct"
 
 
-def test_codex_websocket_handshake_gets_426(templated):
-    base_url, _, _ = templated
-    captured = fixture("codex-exec-0.171-websocket-handshake.json")
-    headers = {key: value for key, value in captured["headers"] if key.lower() != "host"}
-    reply = httpx.request(captured["method"], f"{base_url}{captured['path']}", headers=headers)
-    assert reply.status_code == 426 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+def test_codex_websocket_handshake_and_request(templated):
+    """Codex's own handshake headers open the socket; its captured request, sent as
+    `response.create`, is answered with the same events as over SSE."""
+    base_url, engine, _ = templated
+    handshake = fixture("codex-exec-0.171-websocket-handshake.json")
+    captured = fixture("codex-exec-0.171-responses-request.json")
+    engine.reply = 'I will look.\n<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "ls"}}\n</tool_call>'
+    framing = {"host", "connection", "upgrade", "sec-websocket-version", "sec-websocket-key",
+               "sec-websocket-extensions"}
+    headers = [(key, value) for key, value in handshake["headers"] if key.lower() not in framing]
+    url = base_url.replace("http://", "ws://") + handshake["path"]
+    with connect(url, additional_headers=headers, proxy=None, max_size=2**26) as socket:
+        socket.send(json.dumps({"type": "response.create", **captured["body"]}))
+        events = []
+        while not events or events[-1]["type"] not in ("response.completed", "response.failed", "error"):
+            events.append(json.loads(socket.recv(timeout=120)))
+    response = events[-1]["response"]
+    assert [item["type"] for item in response["output"]] == ["message", "function_call"]
+    assert response["usage"]["input_tokens"] > 8000
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
 
 
 def test_claude_code_request(templated):

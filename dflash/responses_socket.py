@@ -1,0 +1,179 @@
+"""OpenAI Responses over one WebSocket per client session (Codex's `supports_websockets`).
+
+Each text message from the client is a Responses request with `"type": "response.create"`;
+the server answers with text messages holding exactly the JSON events the SSE stream carries,
+ending with `response.completed` (or `.incomplete` / `.failed`). One response runs at a time; a
+request that arrives meanwhile waits its turn.
+
+The socket keeps its own chain of responses (whatever `store` says): Codex sends
+`previous_response_id` and only the new input items, and the conversation is rebuilt from that
+chain. `generate: false` (Codex's warm-up) is answered without running the model and is
+chainable like any other response. Errors before a response starts are
+`{"type": "error", "status": ..., "error": {...}}` (Codex treats an error without `status` as no
+failure at all); errors after it started are `response.failed`. A dropped connection cancels the
+running job at its next step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+import trio
+
+from dflash.http.server import Request
+from dflash.http.websocket import WebSocket, WebSocketClosed
+from dflash.logs import get_logger
+from dflash.protocols import fields, responses
+from dflash.protocols.canonical import Message
+from dflash.protocols.errors import APIError, openai_error_body
+from dflash.protocols.response_store import ResponseStore
+
+if TYPE_CHECKING:
+    from dflash.api import API
+
+log = get_logger("dflash.http")
+
+CHAIN_KEPT = 32  # responses a socket can chain from; Codex continues the latest one
+QUEUED_MAX = 4  # response.create messages waiting behind the running one
+
+
+class ResponsesSocket:
+    def __init__(self, api: API, socket: WebSocket, upgrade: Request, *, keepalive_s: float):
+        self._api = api
+        self._socket = socket
+        self._upgrade = upgrade
+        self._keepalive_s = keepalive_s
+        self._chain = ResponseStore(CHAIN_KEPT)
+        self.responses_served = 0
+
+    async def serve(self) -> None:
+        """Until the client closes or drops the connection (or the server cancels us)."""
+        send_request, receive_request = trio.open_memory_channel[bytes](math.inf)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, send_request, nursery.cancel_scope)
+                async with receive_request:
+                    async for body in receive_request:
+                        await self._answer(body)
+        except WebSocketClosed:
+            pass
+
+    async def _read(self, requests: trio.MemorySendChannel[bytes], session: trio.CancelScope) -> None:
+        """Reads every message, so pings are answered and a drop is noticed while a response runs."""
+        async with requests:
+            try:
+                while True:
+                    message = await self._socket.receive_message()
+                    if isinstance(message, bytes):
+                        await self._socket.close(1003, "binary messages are not accepted; send JSON text")
+                        break
+                    try:
+                        kind = _message_type(message)
+                    except APIError as error:
+                        await self._send_error(error)
+                        continue
+                    if kind == "response.create":
+                        if requests.statistics().current_buffer_used >= QUEUED_MAX:
+                            await self._send_error(APIError(429, f"{QUEUED_MAX} response.create messages are "
+                                                                 "already waiting on this socket"))
+                        else:
+                            requests.send_nowait(message.encode())
+                    elif kind != "response.processed":  # an acknowledgement; nothing to answer
+                        await self._send_error(APIError(400, f"unsupported message type {kind!r}; expected "
+                                                             "'response.create'", param="type"))
+            except WebSocketClosed:
+                pass
+        session.cancel()  # the client is gone: the running job stops at its next step
+
+    async def _answer(self, body: bytes) -> None:
+        request = Request(method="WS", target=self._upgrade.target, headers=self._upgrade.headers)
+        request.log["dialect"] = "responses_websocket"
+        started = trio.current_time()
+        status = 200
+        try:
+            await self._respond(request, body)
+        except APIError as error:
+            status = error.status
+            await self._send_error(error)
+        finally:
+            self.responses_served += 1
+            log.info("request", id=request.id, method=request.method, path=request.path, status=status,
+                     duration_ms=round((trio.current_time() - started) * 1000, 1),
+                     client_disconnected=self._socket.closed is not None, **request.log)
+
+    async def _respond(self, request: Request, body: bytes) -> None:
+        parsed = responses.parse_request(body)
+        request.log["previous_response_id"] = parsed.previous_response_id
+        earlier: tuple[Message, ...] = ()
+        if parsed.previous_response_id is not None:
+            earlier = self._earlier(parsed.previous_response_id)
+            parsed = responses.continuing(parsed, earlier)
+        render = self._api.new_response_render(parsed)
+        output: tuple[Message, ...] = ()
+        if fields.boolean(fields.json_object(body), "generate", default=True) is False:
+            await self._send(render.opening() + render.finish_without_output())
+        else:
+            served = self._api.prepare(parsed.generation)
+            stream = _TickingStream(self._send, render, self._keepalive_s)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream.keep_alive)
+                await self._api.send_events(request, served, render, stream.send)
+                nursery.cancel_scope.cancel()
+            output = render.output_messages()
+        conversation = responses.conversation(parsed, earlier, output)
+        self._chain.put(render.response_id, render.body(), conversation)
+        if parsed.store:
+            self._api.responses.put(render.response_id, render.body(), conversation)
+
+    def _earlier(self, response_id: str):
+        stored = self._chain.get(response_id) or self._api.responses.get(response_id)
+        if stored is None:
+            raise APIError(400, f"previous response {response_id!r} is not known on this connection or stored "
+                                "(a new connection must send the whole input)",
+                           param="previous_response_id", code="previous_response_not_found")
+        return stored.conversation
+
+    async def _send(self, events) -> None:
+        for _, payload in events:
+            await self._socket.send_text(json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
+
+    async def _send_error(self, error: APIError) -> None:
+        await self._socket.send_text(json.dumps({"type": "error", "status": error.status, **openai_error_body(error)},
+                                                ensure_ascii=False, separators=(",", ":")))
+
+
+class _TickingStream:
+    """Sends a response's events; while none went out for `keepalive_s` after the first, repeats
+    `response.in_progress`. A long prefill sends nothing else, and Codex ends a turn whose socket
+    stays silent for its idle timeout (pings do not count: its reader answers them itself)."""
+
+    def __init__(self, send, render: responses.ResponseRender, keepalive_s: float):
+        self._send = send
+        self._render = render
+        self._keepalive_s = keepalive_s
+        self._last_sent: float | None = None
+
+    async def send(self, events) -> None:
+        await self._send(events)
+        self._last_sent = trio.current_time()
+
+    async def keep_alive(self) -> None:
+        while True:
+            if self._last_sent is None:
+                await trio.sleep(self._keepalive_s)
+                continue
+            await trio.sleep_until(self._last_sent + self._keepalive_s)
+            if trio.current_time() >= self._last_sent + self._keepalive_s:
+                await self.send(self._render.in_progress())
+
+
+def _message_type(message: str) -> str:
+    try:
+        payload = json.loads(message)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"a WebSocket message must be a JSON object: {exc}") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, f"a WebSocket message must be a JSON object, got {type(payload).__name__}")
+    return payload.get("type")
