@@ -29,7 +29,7 @@ from dflash.engine.grammar import GrammarError, json_schema_grammar, lark_gramma
 from dflash.engine.sampling import SamplingParams
 from dflash.http.routing import CORSPolicy, Router
 from dflash.http.server import Handler, Request, Response, ResponseWriter
-from dflash.http.sse import open_sse_stream
+from dflash.http.sse import frame, open_sse_stream
 from dflash.http.websocket import HandshakeRefused, accept_websocket
 from dflash.protocols import anthropic, openai_chat, responses
 from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, Message, OutputEvent, SSEEvent,
@@ -75,6 +75,7 @@ class Renderer(Protocol):
     def opening(self, index: int = 0) -> list[SSEEvent]: ...
     def events(self, event: OutputEvent, index: int = 0) -> list[SSEEvent]: ...
     def closing(self) -> list[SSEEvent]: ...
+    def keepalive(self) -> list[SSEEvent]: ...  # the dialect's harmless event while nothing else is sent
     def failure(self, error: APIError) -> list[SSEEvent]: ...
     def body(self) -> dict: ...
 
@@ -286,12 +287,13 @@ class API:
                       request: Request) -> None:
         # The headers go out now, before the job runs: the keep-alive ticker covers the queue
         # wait and the prefill, and the opening events tell the client its job has started.
-        async with open_sse_stream(writer, self._keepalive_s) as sse:
+        def keepalive_frame() -> bytes:
+            return b"".join(frame(_sse_data(payload), name) for name, payload in render.keepalive())
+
+        async with open_sse_stream(writer, self._keepalive_s, keepalive_frame=keepalive_frame) as sse:
             async def send(events: list[SSEEvent]) -> None:
                 for name, payload in events:
-                    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
-                                                                                separators=(",", ":"))
-                    await sse.send(data, name)
+                    await sse.send(_sse_data(payload), name)
 
             await self._run_streamed(served, render, first_job, request, send)
 
@@ -482,6 +484,10 @@ def _part_grammar(part: GrammarPart) -> str:
     except ValueError as exc:  # llguidance refuses some schemas while converting them
         raise APIError(400, f"{part.where} is invalid or unsupported for constrained decoding: {exc}",
                        param=part.param) from None
+
+
+def _sse_data(payload: str | dict) -> str:
+    return payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
 async def _discard(events: list[SSEEvent]) -> None:

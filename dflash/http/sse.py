@@ -42,9 +42,12 @@ class SSEStream:
     drop a silent connection. It runs on the clock, not on engine progress, because a single
     prefill chunk can outlast `keepalive_s` and progress callbacks would miss exactly that stall."""
 
-    def __init__(self, writer: BodyWriter, keepalive_s: float):
+    def __init__(self, writer: BodyWriter, keepalive_s: float, keepalive_frame: Callable[[], bytes] | None = None):
         self._writer = writer
         self._keepalive_s = keepalive_s
+        # The dialect's own keep-alive event where it has one (a client's idle timer may count
+        # only events, not comments); a comment otherwise.
+        self._keepalive_frame = keepalive_frame or (lambda: KEEPALIVE_COMMENT)
         self._last_write = trio.current_time()
 
     async def send(self, data: str, event: str | None = None) -> None:
@@ -58,15 +61,15 @@ class SSEStream:
         while True:
             await trio.sleep_until(self._last_write + self._keepalive_s)
             if trio.current_time() >= self._last_write + self._keepalive_s:
-                await self._write(KEEPALIVE_COMMENT)
+                await self._write(self._keepalive_frame() or KEEPALIVE_COMMENT)
 
 
 @asynccontextmanager
-async def open_sse_stream(writer: BodyWriter, keepalive_s: float,
-                          headers: Sequence[tuple[str, str]] = ()) -> AsyncIterator[SSEStream]:
+async def open_sse_stream(writer: BodyWriter, keepalive_s: float, headers: Sequence[tuple[str, str]] = (), *,
+                          keepalive_frame: Callable[[], bytes] | None = None) -> AsyncIterator[SSEStream]:
     """Send the SSE headers now (before any token exists) and keep the stream alive until exit."""
     await writer.start(200, [*SSE_HEADERS, *headers])
-    stream = SSEStream(writer, keepalive_s)
+    stream = SSEStream(writer, keepalive_s, keepalive_frame)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream.keep_alive)
         yield stream

@@ -265,6 +265,9 @@ class MessageRender:
     def closing(self) -> list[SSEEvent]:
         return [("message_stop", {"type": "message_stop"})]
 
+    def keepalive(self) -> list[SSEEvent]:
+        return [("ping", {"type": "ping"})]  # Anthropic's own keep-alive event
+
     def failure(self, error: APIError) -> list[SSEEvent]:
         return [("error", anthropic_error_body(error))]
 

@@ -309,6 +309,9 @@ class ChatCompletionRender:
                                   "usage": render_usage(self.usage)}))
         return [*events, (None, "[DONE]")]
 
+    def keepalive(self) -> list[SSEEvent]:
+        return []  # Chat Completions has no such event: the stream sends a comment
+
     def failure(self, error: APIError) -> list[SSEEvent]:
         """After the SSE headers went out the status line is spent: the error rides in the stream."""
         return [(None, {"error": {"message": error.message, "type": error_type(error), "param": error.param,

@@ -341,6 +341,10 @@ class ResponseRender:
         """The response as it stands, again: a harmless event while nothing else happens."""
         return [self._event("response.in_progress", response=self._snapshot())]
 
+    def keepalive(self) -> list[SSEEvent]:
+        # Before `response.created` has gone out (a queued job) only a comment fits.
+        return self.in_progress() if self._sequence else []
+
     def finish_without_output(self) -> list[SSEEvent]:
         """`generate: false` (a warm-up): completed with no output and no model run."""
         self._status = "completed"

@@ -7,6 +7,7 @@ import pytest
 import trio
 
 from tests.unit.conftest import now, wait_until
+from tests.unit.dialects import post_stream
 from tests.unit.fakes import FakeEngine
 from tests.unit.rawhttp import RawClient, request, sse_data
 
@@ -148,3 +149,20 @@ async def test_engine_work_runs_in_one_dedicated_thread(start_server):
     for _ in range(3):
         await assert_next_request_is_served(served.port, served.engine)
     assert served.engine.threads == {"dflash-engine"}
+
+
+@pytest.mark.parametrize("path, body, keepalive", [
+    ("/v1/messages", {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}, "ping"),
+    ("/v1/responses", {"model": "m", "max_output_tokens": 3, "input": "hi"}, "response.in_progress"),
+])
+async def test_dialects_with_a_keep_alive_event_send_it_during_a_slow_prefill(start_server, path, body, keepalive):
+    """Claude Code and Codex time out on silence; their SDKs may count events, not comments."""
+    engine = FakeEngine(prefill_chunk=100, prefill_step_s=0.5)
+    served = await start_server(engine, keepalive_s=0.1)
+    events = await post_stream(served.port, path, body)
+    names = [name for name, _ in events]
+    first_text = next(i for i, (_, data) in enumerate(events) if "delta" in data)
+    assert names[:first_text].count(keepalive) >= 3, names
+    assert all(data["type"] == name for name, data in events)
+    if path == "/v1/responses":
+        assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
