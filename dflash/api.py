@@ -18,6 +18,7 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from dflash import __version__
 from dflash.chat.constraints import Constraint, GrammarPart, reply_constraint
@@ -131,6 +132,8 @@ class _Served:
     finish_reasons: list[str] = attrs.field(factory=list)
     texts: list[str] = attrs.field(factory=list)
     queue_ms: float = 0.0
+    received_at: float = attrs.field(factory=trio.current_time)
+    first_output_ms: float | None = None  # from receipt to the first generated output (time to first token)
 
 
 class API:
@@ -330,6 +333,8 @@ class API:
                 await send(render.opening(index))
                 async with aclosing(self._generate(job, served)) as events:
                     async for event in events:
+                        if served.first_output_ms is None and not isinstance(event, Finished):
+                            served.first_output_ms = (trio.current_time() - served.received_at) * 1000
                         await send(render.events(event, index))
                 served.queue_ms += job.queue_ms
 
@@ -466,6 +471,7 @@ class API:
             completion_tokens=usage.completion_tokens,
             finish_reason=",".join(served.finish_reasons) or None,
             queue_ms=round(served.queue_ms, 1),
+            ttft_ms=round(served.first_output_ms, 1) if served.first_output_ms is not None else None,
             prefill_ms=round(usage.prefill_ms, 1),
             decode_ms=round(usage.decode_ms, 1),
             draft_tokens=usage.draft_tokens,

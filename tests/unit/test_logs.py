@@ -17,7 +17,7 @@ CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "secret code"}], "max_tokens": 5}
 FIELDS = {"id", "method", "path", "status", "dialect", "prompt_tokens", "cached_tokens", "prefilled_tokens",
           "completion_tokens", "finish_reason", "queue_ms", "prefill_ms", "decode_ms", "client_disconnected",
-          "draft_tokens", "accepted_tokens", "acceptance_length"}
+          "draft_tokens", "accepted_tokens", "acceptance_length", "ttft_ms"}
 
 
 def request_lines(captured: list[dict]) -> list[dict]:
@@ -34,6 +34,7 @@ async def test_request_line_has_the_numbers_and_no_text(start_server):
     assert line["id"] == reply.headers["x-request-id"]
     assert (line["status"], line["finish_reason"], line["completion_tokens"]) == (200, "length", 5)
     assert line["client_disconnected"] is False
+    assert 0 < line["ttft_ms"] <= line["duration_ms"]
     assert "secret" not in json.dumps(captured)
 
 
