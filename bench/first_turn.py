@@ -1,0 +1,124 @@
+"""The long first turn of a real agent, and the turns after it, on the embedded model.
+
+Sends the captured first request of Claude Code (~20K tokens: system prompt and 24 tools) or
+Codex (~9K) to a live server with the default context and a disk cache, then:
+  turn 2   the same conversation, one reply and one user message longer (memory prefix cache);
+  restart  a new server on the same disk_dir, and a new session's first request that shares the
+           system prompt and tools but asks something else (disk tier).
+Prints time to first token (first content event), prompt and prefilled tokens of each.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/first_turn.py [--client claude|codex] [--max-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cpu import cpu_kind  # noqa: E402
+from bench.live_server import LiveServer  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "clients"
+CLIENTS = {
+    "claude": ("claude-code-2.1.197-messages-request.json", "/v1/messages"),
+    "codex": ("codex-exec-0.171-responses-request.json", "/v1/responses"),
+}
+
+
+def first_request(client: str, max_tokens: int) -> tuple[str, dict]:
+    name, path = CLIENTS[client]
+    body = json.loads((FIXTURES / name).read_text())["body"]
+    body["stream"] = True
+    body["max_tokens" if client == "claude" else "max_output_tokens"] = max_tokens
+    return path, body
+
+
+def with_user_text(client: str, body: dict, text: str) -> dict:
+    """The request with its last user message's text replaced (a new session's first question)."""
+    body = json.loads(json.dumps(body))
+    messages = body["messages"] if client == "claude" else body["input"]
+    last = next(message for message in reversed(messages) if message.get("role") == "user")
+    last["content"] = [{"type": "text" if client == "claude" else "input_text", "text": text}]
+    return body
+
+
+def next_turn(client: str, body: dict, reply: str, text: str) -> dict:
+    body = json.loads(json.dumps(body))
+    if client == "claude":
+        body["messages"] += [{"role": "assistant", "content": [{"type": "text", "text": reply or "OK."}]},
+                             {"role": "user", "content": [{"type": "text", "text": text}]}]
+    else:
+        body["input"] += [{"type": "message", "role": "assistant",
+                           "content": [{"type": "output_text", "text": reply or "OK."}]},
+                          {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
+    return body
+
+
+def stream(http: httpx.Client, path: str, body: dict) -> tuple[float, str, dict]:
+    """(seconds to the first content event, reply text, usage timings) of one streamed request."""
+    started = time.perf_counter()
+    first_s = None
+    text, timings = "", {}
+    with http.stream("POST", path, json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = json.loads(line[6:])
+            kind = data.get("type", "")
+            if kind in ("content_block_delta", "response.output_text.delta", "response.output_item.added",
+                        "content_block_start") and first_s is None:
+                first_s = time.perf_counter() - started
+            delta = data.get("delta")
+            if kind == "content_block_delta" and delta.get("type") == "text_delta":
+                text += delta["text"]
+            elif kind == "response.output_text.delta":
+                text += delta
+            usage = (data.get("usage") or (data.get("response") or {}).get("usage") or {})
+            timings = usage.get("timings") or timings
+    return first_s or float("nan"), text, timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="claude")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    path, body = first_request(args.client, args.max_tokens)
+    disk_dir = Path(tempfile.mkdtemp(prefix="dflash-first-turn-"))
+    rows = []
+    try:
+        for phase in ("first", "restart"):
+            with LiveServer(fake=False, cache={"disk_dir": str(disk_dir)}) as server, \
+                    httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=3600) as http:
+                if phase == "first":
+                    ttft, reply, timings = stream(http, path, body)
+                    rows.append(("turn 1", ttft, timings))
+                    ttft, _, timings = stream(http, path, next_turn(args.client, body, reply,
+                                                                    "Now list the files in src/."))
+                    rows.append(("turn 2", ttft, timings))
+                else:
+                    ttft, _, timings = stream(http, path, with_user_text(args.client, body,
+                                                                         "What does this project do?"))
+                    rows.append(("new session after restart", ttft, timings))
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    print(f"\n{args.client} first turn, embedded model, CPU: {cpu_kind()}")
+    print("| request | prompt tokens | prefilled | TTFT s | prefill ms |")
+    print("|---|---|---|---|---|")
+    for name, ttft, timings in rows:
+        print(f"| {name} | {timings.get('prompt_tokens', '-')} | {timings.get('prefilled_tokens', '-')} | "
+              f"{ttft:.1f} | {timings.get('prefill_ms', float('nan')):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
