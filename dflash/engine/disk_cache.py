@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import queue
+import socket
 import struct
 import threading
 import time
@@ -32,6 +33,9 @@ from dflash.engine.kv import KVSnapshot
 
 FORMAT = "dflash-kv-1"
 SUFFIX = ".dkv"
+TEMPORARY_SUFFIX = ".tmp"
+# A temporary file of another machine sharing the folder is taken as abandoned after this long.
+FOREIGN_WRITE_S = 3600.0
 log = structlog.get_logger("dflash.disk_cache")
 
 
@@ -111,6 +115,30 @@ def decode(path: Path, identity: dict[str, Any]) -> LoadedSnapshot:
     return LoadedSnapshot(tokens, snapshot, tensors.get("draft_rows"))
 
 
+def _abandoned(temporary: Path) -> bool:
+    """A write's temporary file whose writer is gone: `.NAME.HOST.PID.tmp` of a process that no
+    longer runs on this host (killed mid-write), or an old one of another host. Called before
+    this process writes anything, so a file with its own pid is a dead predecessor's."""
+    _, _, writer = temporary.name.removeprefix(".").removesuffix(TEMPORARY_SUFFIX).partition(".")
+    host, _, pid = writer.rpartition(".")
+    if host == socket.gethostname() and pid.isdigit():
+        return int(pid) == os.getpid() or not _running(int(pid))
+    try:
+        return time.time() - temporary.stat().st_mtime > FOREIGN_WRITE_S
+    except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 class DiskCache:
     def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any]):
         self.folder = Path(folder).expanduser() if folder else None
@@ -133,9 +161,14 @@ class DiskCache:
         return len(self._entries)
 
     def _scan(self) -> None:
-        """Index the files of this model; drop those that cannot be read or belong elsewhere."""
+        """Index the files of this model; drop those that cannot be read or belong elsewhere, and
+        the temporary files of writes that a killed process left behind."""
         if not self.folder.is_dir():
             return
+        for path in self.folder.glob(f".*{TEMPORARY_SUFFIX}"):
+            if _abandoned(path):
+                log.warning("disk_cache_leftover_removed", path=str(path))
+                path.unlink(missing_ok=True)
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
             try:
                 header, _ = read_header(path)
@@ -211,9 +244,12 @@ class DiskCache:
     def _write(self, name: str, data: bytes) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.folder / f"{name}{SUFFIX}"
-        temporary = self.folder / f".{name}.{os.getpid()}.tmp"
+        temporary = self.folder / f".{name}.{socket.gethostname()}.{os.getpid()}{TEMPORARY_SUFFIX}"
         with open(temporary, "wb") as f:
             f.write(data)
+            # On disk before the rename: after a power cut the name never points at missing bytes.
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temporary, target)
         self._trim()
 
