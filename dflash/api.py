@@ -470,7 +470,7 @@ def _usage(step: JobStep | None, prompt_tokens: int) -> Usage:
                  prefill_ms=stats.prefill_ms, decode_ms=stats.decode_ms,
                  draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
                  verification_steps=stats.verification_steps,
-                 agent_turn_cache_hit=int(getattr(stats, "agent_turn_cache_hit", False)))
+                 agent_turn_cache_hit=int(stats.agent_turn_cache_hit))
 
 
 def _as_api_error(exc: Exception) -> APIError:

@@ -14,14 +14,13 @@ import attrs
 import torch
 
 from dflash.engine.drafters.ngram import NgramDrafter
+from dflash.engine.contract import FinishReason
 from dflash.engine.disk_cache import DiskCache
 from dflash.engine.kv import KVSnapshot
 from dflash.engine.prefix_cache import CacheEntry, PrefixCache
-from dflash.engine.sampling import Sampler, SamplingParams
+from dflash.engine.sampling import Sampler
+from dflash.sampling_params import SamplingParams
 from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
-
-FinishReason = Literal["stop", "length"]
-
 
 @attrs.define
 class GenerationStats:
@@ -111,7 +110,7 @@ class Engine:
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         max_tokens: int,
-        stop_token_ids: Sequence[Sequence[int]] = (),
+        *,
         snapshot_at: Sequence[int] = (),
         grammar: str | None = None,
     ) -> "Generation":
@@ -120,7 +119,7 @@ class Engine:
         if self._live is not None:
             self._live.close()
         constraint = self.grammar_tokenizer().matcher(grammar) if grammar is not None else None
-        generation = Generation(self, list(prompt_ids), sampling, max_tokens, stop_token_ids, snapshot_at, constraint)
+        generation = Generation(self, list(prompt_ids), sampling, max_tokens, snapshot_at, constraint)
         self._live = generation
         return generation
 
@@ -240,7 +239,6 @@ class Generation:
         prompt_ids: list[int],
         sampling: SamplingParams,
         max_tokens: int,
-        stop_token_ids: Sequence[Sequence[int]],
         snapshot_at: Sequence[int] = (),
         constraint=None,
     ):
@@ -258,7 +256,6 @@ class Generation:
         self.sampler = Sampler(sampling, engine.vocab_size)
         self.constraint = constraint  # a GrammarConstraint, or None
         self.max_tokens = min(max_tokens, engine.max_ctx - len(prompt_ids))
-        self.stop_token_ids = [list(s) for s in stop_token_ids if s]
         self.output: list[int] = []
         self.finished: FinishReason | None = None
         self.closed = False
@@ -374,9 +371,7 @@ class Generation:
             self.finished = "stop"
             return []
         self.output.append(token)
-        if any(self.output[-len(s) :] == s for s in self.stop_token_ids):
-            self.finished = "stop"
-        elif len(self.output) >= self.max_tokens:
+        if len(self.output) >= self.max_tokens:
             self.finished = "length"
         return [token]
 
