@@ -16,11 +16,12 @@ import attrs
 import trio
 
 from dflash import __version__
-from dflash.api import API, ModelText, error_response
+from dflash.api import API, error_response
 from dflash.config import Config
 from dflash.engine import contract
 from dflash.http.server import HTTPServer, Limits
 from dflash.logs import config_summary, get_logger
+from dflash.reply import ModelText
 from dflash.scheduler import EngineWorker, Scheduler
 
 # After the running job is done or stopped, how long its handler may take to write the end.

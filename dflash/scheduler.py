@@ -117,7 +117,7 @@ class TokenChoice:
 class JobStep:
     tokens: list[int]  # committed in this step; empty for a prefill chunk
     finished: contract.FinishReason | None  # on the last step
-    stats: contract.Stats  # after this step (a copy)
+    stats: contract.GenerationStats  # after this step (a copy)
     logprobs: list[TokenChoice] | None = None  # one per token in `tokens`, when the job asked for them
 
 

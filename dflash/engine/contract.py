@@ -4,13 +4,16 @@ hold an agent's turn; close at shutdown.
 `dflash.engine.generate` implements it, and so does the fake engine the server tests run on
 (tests/unit/fakes.py); tests/model/test_engine_contract.py checks both against these Protocols,
 member by member and signature by signature, so neither drifts from what the scheduler relies on.
-Every call runs in the scheduler's engine thread.
+The numbers a generation reports are plain data, one class both use. Every call runs in the
+scheduler's engine thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
+
+import attrs
 
 from dflash.sampling_params import SamplingParams
 
@@ -20,19 +23,28 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length"]
 
 
-class Stats(Protocol):
-    """A generation's numbers so far; the scheduler hands a copy to the handler after each step."""
+@attrs.define
+class GenerationStats:
+    """A generation's numbers so far: data, one class for every engine (the scheduler hands a copy
+    to the handler after each step)."""
 
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV state was reused, not computed
-    prefilled_tokens: int  # prompt tokens computed for this request
-    generated_tokens: int
-    prefill_ms: float
-    decode_ms: float
-    agent_turn_cache_hit: bool  # the reused prefix includes a turn this server generated
-    draft_tokens: int  # proposed by a drafter
-    accepted_tokens: int  # of those, verified equal to the target's own choice
-    verification_steps: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV state was reused, not computed
+    prefilled_tokens: int = 0  # prompt tokens computed for this request
+    generated_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    agent_turn_cache_hit: bool = False  # the reused prefix includes a turn this server generated
+    draft_tokens: int = 0  # proposed by a drafter
+    accepted_tokens: int = 0  # of those, verified equal to the target's own choice
+    verification_steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verification forward (accepted drafts + the target's token)."""
+        if not self.verification_steps:
+            return 0.0
+        return (self.accepted_tokens + self.verification_steps) / self.verification_steps
 
 
 class Step(Protocol):
@@ -54,7 +66,7 @@ class TokenSampler(Protocol):
 
 class Generation(Protocol):
     sampler: TokenSampler  # replaceable before the first step
-    stats: Stats
+    stats: GenerationStats
 
     def step(self) -> Step:
         """One bounded unit of work: a prefill chunk, or one decode or speculative step."""

@@ -13,35 +13,14 @@ from typing import Literal, Sequence
 import attrs
 import torch
 
-from dflash.engine.drafters.ngram import NgramDrafter
-from dflash.engine.contract import FinishReason
+from dflash.engine.contract import FinishReason, GenerationStats
 from dflash.engine.disk_cache import DiskCache
+from dflash.engine.drafters.ngram import NgramDrafter
 from dflash.engine.kv import KVSnapshot
 from dflash.engine.prefix_cache import CacheEntry, PrefixCache
 from dflash.engine.sampling import Sampler
-from dflash.sampling_params import SamplingParams
 from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
-
-@attrs.define
-class GenerationStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV state was reused, not computed
-    prefilled_tokens: int = 0  # prompt tokens computed for this request
-    generated_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    agent_turn_cache_hit: bool = False  # the reused prefix includes a turn this server generated
-    draft_tokens: int = 0  # proposed by a drafter
-    accepted_tokens: int = 0  # of those, verified equal to the target's own choice
-    verification_steps: int = 0
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens committed per verification forward (accepted drafts + the target's token)."""
-        if not self.verification_steps:
-            return 0.0
-        return (self.accepted_tokens + self.verification_steps) / self.verification_steps
-
+from dflash.sampling_params import SamplingParams
 
 @attrs.define
 class StepOutput:

@@ -18,10 +18,11 @@ from functools import partial
 
 import attrs
 
-from dflash.api import ModelText
 from dflash.chat.template import ChatTemplate, Tokenized
 from dflash.config import Config
+from dflash.engine.contract import GenerationStats
 from dflash.protocols.canonical import GenerationRequest, Message
+from dflash.reply import ModelText
 
 EOS = 256
 VOCAB_SIZE = 257
@@ -34,20 +35,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SCRIPTED_LOGIT = 5.0  # the scripted token's logit; every other token's is 0
-
-
-@attrs.define
-class FakeStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    agent_turn_cache_hit: bool = False
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verification_steps: int = 0
 
 
 class ScriptedSampler:
@@ -95,7 +82,7 @@ class FakeGeneration:
         self.sampler = ScriptedSampler(engine, sampling)
         self.output: list[int] = []
         self.finished: str | None = None
-        self.stats = FakeStats(prompt_tokens=len(prompt_ids))
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.step_starts: list[float] = []  # time.monotonic() at the start of each step
         self.closed_at: float | None = None
         self.grammar: str | None = None
