@@ -45,22 +45,22 @@ def error_response(path: str | None, status: int, message: str) -> Response:
     return api_error_response(path, APIError(status, message))
 
 
-def _answering_errors(handler: Handler) -> Handler:
-    async def answer(request: Request, writer: ResponseWriter) -> Response | None:
-        try:
-            return await handler(request, writer)
-        except APIError as error:
-            return api_error_response(request.path, error)
-
-    return answer
-
-
 class _Routes(Router):
-    """The fixed routes, and GET /v1/responses/{id}: the one path with a parameter."""
+    """The fixed routes, and GET /v1/responses/{id}: the one path with a parameter. A request a
+    handler refuses (APIError) is answered in its dialect's shape here; any other error is the
+    HTTP server's to answer."""
 
     def __init__(self, routes, *, get_response: Handler, **settings):
         super().__init__(routes, **settings)
         self._get_response = get_response
+
+    async def __call__(self, request: Request, writer: ResponseWriter) -> Response | None:
+        try:
+            return await super().__call__(request, writer)
+        except APIError as error:
+            if writer.started:
+                raise
+            return api_error_response(request.path, error)
 
     def _find(self, request: Request) -> Handler | None:
         handler = super()._find(request)
@@ -86,13 +86,13 @@ class API:
             ("GET", "/health"): self.health,
             ("GET", "/"): self.root,
             ("GET", "/v1/models"): self.models,
-            ("POST", "/v1/chat/completions"): _answering_errors(self.chat_completions),
-            ("POST", "/v1/messages"): _answering_errors(self.messages),
-            ("POST", "/v1/messages/count_tokens"): _answering_errors(self.count_tokens),
-            ("POST", RESPONSES_PATH): _answering_errors(self.create_response),
-            ("GET", RESPONSES_PATH): _answering_errors(self.responses_websocket),
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("POST", "/v1/messages"): self.messages,
+            ("POST", "/v1/messages/count_tokens"): self.count_tokens,
+            ("POST", RESPONSES_PATH): self.create_response,
+            ("GET", RESPONSES_PATH): self.responses_websocket,
         }
-        return _Routes(routes, get_response=_answering_errors(self.get_response), error_response=error_response,
+        return _Routes(routes, get_response=self.get_response, error_response=error_response,
                        api_keys=self._config.server.api_keys, cors=CORSPolicy(self._config.server.cors_origins))
 
     # ---- plain endpoints -------------------------------------------------------------------
