@@ -41,7 +41,8 @@ def api_error_response(path: str | None, error: APIError) -> Response:
 
 
 def error_response(path: str | None, status: int, message: str) -> Response:
-    """For errors found outside a handler (HTTP limits, routing, auth), in the path's dialect."""
+    """For errors answered outside a handler (HTTP limits, routing, auth, a handler's unexpected
+    failure), in the path's dialect."""
     return api_error_response(path, APIError(status, message))
 
 
