@@ -12,16 +12,16 @@ import os
 import signal
 from collections.abc import Callable
 from functools import partial
-from typing import Any
-
 import attrs
 import trio
 
 from dflash import __version__
-from dflash.api import API, ModelText, error_response
+from dflash.api import API, error_response
 from dflash.config import Config
+from dflash.engine import contract
 from dflash.http.server import HTTPServer, Limits
 from dflash.logs import config_summary, get_logger
+from dflash.reply import ModelText
 from dflash.scheduler import EngineWorker, Scheduler
 
 # After the running job is done or stopped, how long its handler may take to write the end.
@@ -30,10 +30,10 @@ LAST_WRITES_S = 2.0
 log = get_logger("dflash.app")
 
 # Config -> (engine, its text side). Runs in the engine thread.
-ModelLoader = Callable[[Config], tuple[Any, ModelText]]
+ModelLoader = Callable[[Config], tuple[contract.Engine, ModelText]]
 
 
-def load_served_model(full_config: Config) -> tuple[Any, ModelText]:
+def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
     # Imported here, not at the top: they pull in transformers and the model code, which a server
     # on a fake engine (unit tests, bench --fake) never needs.
     from dflash.chat.detokenize import IncrementalDetokenizer, token_bytes
@@ -128,10 +128,8 @@ async def serve(config: Config, *, loader: ModelLoader = load_served_model, hand
             await app._shutdown_requested.wait()
             await app._drain()
             nursery.cancel_scope.cancel()
-        close_engine = getattr(engine, "close", None)
-        if close_engine is not None:  # snapshots still queued for the disk cache get written
-            with trio.CancelScope(shield=True):
-                await worker.call(close_engine)
+        with trio.CancelScope(shield=True):  # snapshots still queued for the disk cache get written
+            await worker.call(engine.close)
     log.info("stopped")
 
 

@@ -18,20 +18,19 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING
+from contextlib import aclosing
 
 import trio
 
+from dflash.chat.parser import new_call_id
 from dflash.http.server import Request
 from dflash.http.websocket import WebSocket, WebSocketClosed
 from dflash.logs import get_logger
 from dflash.protocols import fields, responses
-from dflash.protocols.canonical import Message
 from dflash.protocols.errors import APIError, openai_error_body
 from dflash.protocols.response_store import ResponseStore
-
-if TYPE_CHECKING:
-    from dflash.api import API
+from dflash.reply import Replies
+from dflash.responses_turn import begin_turn
 
 log = get_logger("dflash.http")
 
@@ -40,11 +39,14 @@ QUEUED_MAX = 4  # response.create messages waiting behind the running one
 
 
 class ResponsesSocket:
-    def __init__(self, api: API, socket: WebSocket, upgrade: Request, *, keepalive_s: float):
-        self._api = api
+    def __init__(self, replies: Replies, stored: ResponseStore, socket: WebSocket, upgrade: Request, *,
+                 keepalive_s: float, log_text: bool = False):
+        self._replies = replies
+        self._stored = stored  # the server's store (`store: true` responses, GET /v1/responses/{id})
         self._socket = socket
         self._upgrade = upgrade
         self._keepalive_s = keepalive_s
+        self._log_text = log_text
         self._chain = ResponseStore(CHAIN_KEPT)
         self.responses_served = 0
 
@@ -106,42 +108,34 @@ class ResponsesSocket:
     async def _respond(self, request: Request, body: bytes) -> None:
         parsed = responses.parse_request(body)
         request.log["previous_response_id"] = parsed.previous_response_id
-        earlier: tuple[Message, ...] = ()
-        if parsed.previous_response_id is not None:
-            earlier = self._earlier(parsed.previous_response_id)
-            parsed = responses.continuing(parsed, earlier)
-        render = self._api.new_response_render(parsed)
-        output: tuple[Message, ...] = ()
+        turn = begin_turn((self._chain, self._stored), parsed, missing_status=400)
+        render = turn.renderer(self._replies.model.model_id)
         if fields.boolean(fields.json_object(body), "generate", default=True) is False:
             await self._send(render.opening() + render.finish_without_output())
-        else:
-            served = self._api.prepare(parsed.generation)
+            self._chain.put(render.response_id, render.body(), turn.conversation(()))
+            return
+        reply = self._replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
+        first_job = await self._replies.submit(reply)  # refusals come before anything is sent
+        try:
             stream = _TickingStream(self._send, render, self._keepalive_s)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stream.keep_alive)
-                await self._api.send_events(request, served, render, stream.send)
+                async with aclosing(self._replies.streamed(reply, render, first_job)) as events:
+                    async for event in events:
+                        await stream.send([event])
                 nursery.cancel_scope.cancel()
-            output = render.output_messages()
-        conversation = responses.conversation(parsed, earlier, output)
-        self._chain.put(render.response_id, render.body(), conversation)
-        if parsed.store:
-            self._api.responses.put(render.response_id, render.body(), conversation)
-
-    def _earlier(self, response_id: str):
-        stored = self._chain.get(response_id) or self._api.responses.get(response_id)
-        if stored is None:
-            raise APIError(400, f"previous response {response_id!r} is not known on this connection or stored "
-                                "(a new connection must send the whole input)",
-                           param="previous_response_id", code="previous_response_not_found")
-        return stored.conversation
+        finally:
+            first_job.cancel()
+            request.log.update(reply.log_fields(with_text=self._log_text))
+        self._chain.put(render.response_id, render.body(), turn.conversation(render.output_messages()))
+        turn.store(self._stored, render)
 
     async def _send(self, events) -> None:
         for _, payload in events:
-            await self._socket.send_text(json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
+            await self._socket.send_text(_json(payload))
 
     async def _send_error(self, error: APIError) -> None:
-        await self._socket.send_text(json.dumps({"type": "error", "status": error.status, **openai_error_body(error)},
-                                                ensure_ascii=False, separators=(",", ":")))
+        await self._socket.send_text(_json({"type": "error", "status": error.status, **openai_error_body(error)}))
 
 
 class _TickingStream:
@@ -167,6 +161,10 @@ class _TickingStream:
             await trio.sleep_until(self._last_sent + self._keepalive_s)
             if trio.current_time() >= self._last_sent + self._keepalive_s:
                 await self.send(self._render.in_progress())
+
+
+def _json(payload: dict) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
 def _message_type(message: str) -> str:

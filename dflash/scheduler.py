@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from dflash.engine import contract
 from dflash.logs import get_logger
+from dflash.sampling_params import SamplingParams
 
 log = get_logger("dflash.scheduler")
 T = TypeVar("T")
@@ -114,16 +116,15 @@ class TokenChoice:
 @attrs.frozen
 class JobStep:
     tokens: list[int]  # committed in this step; empty for a prefill chunk
-    phase: str  # "prefill" or "decode"
-    finished: str | None  # "stop" or "length" on the last step
-    stats: Any  # the engine's GenerationStats after this step (a copy)
+    finished: contract.FinishReason | None  # on the last step
+    stats: contract.GenerationStats  # after this step (a copy)
     logprobs: list[TokenChoice] | None = None  # one per token in `tokens`, when the job asked for them
 
 
 class Job:
     """One request's generation, queued or running. Use as `with scheduler.submit(...) as job:`."""
 
-    def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: Any, max_tokens: int,
+    def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                  request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
                  grammar: str | None = None):
         self.prompt_ids = prompt_ids
@@ -133,7 +134,6 @@ class Job:
         self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
         self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
         self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
-        self.output_ids: list[int] = []  # the generated tokens, once the job is over
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
@@ -201,7 +201,7 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: Any, worker: EngineWorker, *, queue_max: int):
+    def __init__(self, engine: contract.Engine, worker: EngineWorker, *, queue_max: int):
         self._engine = engine
         self._worker = worker
         self.queue_max = queue_max
@@ -222,7 +222,7 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def submit(self, prompt_ids: list[int], sampling: Any, max_tokens: int, *, request_id: str = "",
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
                grammar: str | None = None) -> Job:
         """Queue a job; raise QueueFull or ShuttingDown at once rather than make the client wait."""
@@ -310,7 +310,7 @@ class Scheduler:
             return self._queue.popleft()
         return None
 
-    def _start_generation(self, job: Job):
+    def _start_generation(self, job: Job) -> contract.Generation:
         """In the engine thread."""
         generation = self._engine.start(job.prompt_ids, job.sampling, job.max_tokens, snapshot_at=job.snapshot_at,
                                         grammar=job.grammar)
@@ -329,7 +329,7 @@ class Scheduler:
         finished = False
         try:
             while not job.cancelled and not finished:
-                step = await self._worker.call(_take_step, generation, job.top_logprobs is not None)
+                step = await self._worker.call(_take_step, generation)
                 job._deliver(step)
                 finished = step.finished is not None
         except Exception as exc:
@@ -341,7 +341,6 @@ class Scheduler:
                     await self._worker.call(generation.close)
                 except Exception:
                     log.exception("engine_close_failed", request_id=job.request_id)
-            job.output_ids = list(getattr(generation, "output", ()))
             self._live_job = job
             job._end()
             if job.cancelled and not finished:
@@ -350,14 +349,14 @@ class Scheduler:
                          stop_ms=round((trio.current_time() - job.cancelled_at) * 1000, 1))
 
 
-def _take_step(generation, with_logprobs: bool) -> JobStep:
+def _take_step(generation: contract.Generation) -> JobStep:
     """In the engine thread: one step, and a copy of the stats taken before the next step moves them."""
     output = generation.step()
     tokens = list(output.tokens)
+    recorder = generation.sampler if isinstance(generation.sampler, LogprobRecorder) else None
     # The recorder saw every sampled token, an end-of-sequence one too, which is not in `tokens`.
-    logprobs = generation.sampler.take()[:len(tokens)] if with_logprobs else None
-    return JobStep(tokens=tokens, phase=output.phase, finished=output.finished, stats=copy.copy(generation.stats),
-                   logprobs=logprobs)
+    logprobs = recorder.take()[:len(tokens)] if recorder is not None else None
+    return JobStep(tokens=tokens, finished=output.finished, stats=copy.copy(generation.stats), logprobs=logprobs)
 
 
 class LogprobRecorder:
@@ -369,7 +368,7 @@ class LogprobRecorder:
     every sampled token passes through: prefill's last chunk, plain decode and each position a
     speculative step verifies all go through `sample`, in order."""
 
-    def __init__(self, sampler, top: int):
+    def __init__(self, sampler: contract.TokenSampler, top: int):
         self._sampler = sampler
         self._top = top
         self._recorded: list[TokenChoice] = []

@@ -3,8 +3,8 @@ schema), a forced tool call (tool_choice required / any / a named tool) in the t
 chat/parser.py reads back, and a custom tool's own input grammar wherever the model calls it.
 
 This module only writes text in llguidance's Lark dialect (JSON schemas embedded as `%json`);
-api.py compiles and checks it with the engine, so an invalid schema is a 400 before anything
-streams. Each piece the client wrote is also listed on its own (`parts`), so that check can name
+checked_grammar.py compiles and checks it with the engine, so an invalid schema is a 400 before
+anything streams. Each piece the client wrote is also listed on its own (`parts`), so that check can name
 the piece at fault rather than the grammar built around it.
 
 The forced call is one `<tool_call>` block, Hermes style, the form the built-in tool prompt

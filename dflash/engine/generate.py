@@ -13,36 +13,14 @@ from typing import Literal, Sequence
 import attrs
 import torch
 
-from dflash.engine.drafters.ngram import NgramDrafter
+from dflash.engine.contract import FinishReason, GenerationStats
 from dflash.engine.disk_cache import DiskCache
-from dflash.engine.kv import KVSnapshot
-from dflash.engine.prefix_cache import CacheEntry, PrefixCache
-from dflash.engine.sampling import Sampler, SamplingParams
+from dflash.engine.drafters.ngram import NgramDrafter
+from dflash.engine.prefix_cache import PrefixCache
+from dflash.engine.prefix_reuse import PrefixReuse
+from dflash.engine.sampling import Sampler
 from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
-
-FinishReason = Literal["stop", "length"]
-
-
-@attrs.define
-class GenerationStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV state was reused, not computed
-    prefilled_tokens: int = 0  # prompt tokens computed for this request
-    generated_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    agent_turn_cache_hit: bool = False  # the reused prefix includes a turn this server generated
-    draft_tokens: int = 0  # proposed by a drafter
-    accepted_tokens: int = 0  # of those, verified equal to the target's own choice
-    verification_steps: int = 0
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens committed per verification forward (accepted drafts + the target's token)."""
-        if not self.verification_steps:
-            return 0.0
-        return (self.accepted_tokens + self.verification_steps) / self.verification_steps
-
+from dflash.sampling_params import SamplingParams
 
 @attrs.define
 class StepOutput:
@@ -51,16 +29,23 @@ class StepOutput:
     phase: Literal["prefill", "decode"]
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def _reuse_setting(name: str) -> property:
+    """An engine attribute that belongs to its prefix reuse; tests and benches set them on a
+    built engine."""
+    return property(lambda engine: getattr(engine.prefix_reuse, name),
+                    lambda engine, value: setattr(engine.prefix_reuse, name, value))
 
 
 class Engine:
     """One model, one KV cache, one live generation at a time."""
+
+    prefix_cache = _reuse_setting("prefix_cache")
+    prompt_cache = _reuse_setting("prompt_cache")
+    reuse_live_state = _reuse_setting("reuse_live_state")
+    agent_turn_replay = _reuse_setting("agent_turn_replay")
+    # The DFlash drafter mirrors the engine's KV: it sees the captured hidden states of every
+    # token the target computes and is cropped and restored with it, so its context is complete.
+    dflash_drafter = _reuse_setting("drafter")
 
     def __init__(
         self,
@@ -79,20 +64,11 @@ class Engine:
         reuse_live_state: bool = True,
     ):
         self.model = model
-        # Off: every request starts from a snapshot or from nothing (what "caches off" means in benches).
-        self.reuse_live_state = reuse_live_state
-        self.agent_turn_replay = agent_turn_replay
         self.disk_cache = disk_cache
         # Built on the first constrained request (llguidance takes about a second to read a vocabulary).
         self._grammar_tokenizer_factory = grammar_tokenizer_factory
         self._grammar_tokenizer = None
-        # (`is None`, not `or`: an empty cache has len() 0 and is falsy)
-        self.prefix_cache = PrefixCache(0, 0) if prefix_cache is None else prefix_cache  # message boundaries
-        self.prompt_cache = PrefixCache(0, 0) if prompt_cache is None else prompt_cache  # exact prompts
         self.speculation = speculation
-        # The DFlash drafter mirrors the engine's KV: it sees the captured hidden states of every
-        # token the target computes and is cropped with it, so its context is always complete.
-        self.dflash_drafter = dflash_drafter
         if speculation.drafter == "dflash" and dflash_drafter is None:
             raise ValueError("speculative drafter 'dflash' needs a draft model")
         self.max_ctx = max_ctx
@@ -100,10 +76,13 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = model.args.vocab_size
         self.kv = model.new_kv_cache(max_ctx)
-        # Tokens whose keys/values sit in kv[:length]; the next prompt reuses the common prefix.
-        self.committed: list[int] = []
-        # Where the generated part of the committed tokens begins (the last prompt's length).
-        self.generated_from: int | None = None
+        self.prefix_reuse = PrefixReuse(
+            self.kv,
+            # (`is None`, not `or`: an empty cache has len() 0 and is falsy)
+            prefix_cache=PrefixCache(0, 0) if prefix_cache is None else prefix_cache,
+            prompt_cache=PrefixCache(0, 0) if prompt_cache is None else prompt_cache,
+            disk_cache=disk_cache, drafter=dflash_drafter, reuse_live_state=reuse_live_state,
+            agent_turn_replay=agent_turn_replay)
         self._live: Generation | None = None
 
     def start(
@@ -111,7 +90,7 @@ class Engine:
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         max_tokens: int,
-        stop_token_ids: Sequence[Sequence[int]] = (),
+        *,
         snapshot_at: Sequence[int] = (),
         grammar: str | None = None,
     ) -> "Generation":
@@ -120,7 +99,7 @@ class Engine:
         if self._live is not None:
             self._live.close()
         constraint = self.grammar_tokenizer().matcher(grammar) if grammar is not None else None
-        generation = Generation(self, list(prompt_ids), sampling, max_tokens, stop_token_ids, snapshot_at, constraint)
+        generation = Generation(self, list(prompt_ids), sampling, max_tokens, snapshot_at, constraint)
         self._live = generation
         return generation
 
@@ -133,18 +112,17 @@ class Engine:
         logits, hidden = self.model(ids, start, self.kv, capture_layers=capture, **kwargs)
         if drafter is not None:
             drafter.observe(start, hidden)
-        self.committed.extend(tokens)
+        self.prefix_reuse.computed(tokens)
         return logits
 
+    @property
+    def committed(self) -> list[int]:
+        """Tokens whose keys/values sit in kv[:length]; the next prompt reuses the common prefix."""
+        return self.prefix_reuse.committed
+
     def rollback(self, length: int) -> int:
-        """Keep the first `length` committed tokens; returns how many the KV state really kept
-        (the transformers backend may have to start over when a sliding window lost the states)."""
-        self.kv.crop(length)
-        kept = self.kv.length
-        del self.committed[kept:]
-        if self.dflash_drafter is not None:
-            self.dflash_drafter.crop(kept)
-        return kept
+        """Keep the first `length` committed tokens; returns how many the KV state really kept."""
+        return self.prefix_reuse.rollback(length)
 
     def checkpoint_prefix(self, tokens: Sequence[int]) -> int:
         """Agent turn cache: make the live state hold `tokens` — a prompt plus the turn generated
@@ -154,15 +132,12 @@ class Engine:
         `agent_turn_replay` is on, else nothing is done. Returns the committed length."""
         if len(tokens) > self.max_ctx:
             return self.kv.length
-        common = common_prefix_length(self.committed, tokens)
-        if common < len(self.committed) and not self.agent_turn_replay:
+        kept = self.prefix_reuse.rewind_for_turn(tokens)
+        if kept is None:
             return self.kv.length  # the turn renders differently; replaying it is the opt-in fallback
-        generated_from = self.generated_from
-        kept = self.rollback(common)
         for start in range(kept, len(tokens), self.prefill_chunk):
             self.forward(list(tokens[start : start + self.prefill_chunk]))
-        self.generated_from = generated_from if generated_from is not None and generated_from < len(tokens) else None
-        self.snapshot(self.prefix_cache, generated_from=self.generated_from)
+        self.prefix_reuse.keep_turn()
         return self.kv.length
 
     def close(self) -> None:
@@ -176,51 +151,6 @@ class Engine:
                 raise ValueError("this engine was built without a tokenizer for constrained decoding")
             self._grammar_tokenizer = self._grammar_tokenizer_factory()
         return self._grammar_tokenizer
-
-    def resume(self, prompt: Sequence[int]) -> tuple[int, bool]:
-        """Make the KV state hold the longest available prefix of `prompt` (keeping at least one
-        token to compute): the live state's common prefix or a cached snapshot, whichever is deeper.
-        Returns how many prompt tokens it holds, and whether they include a generated turn."""
-        live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1) if self.reuse_live_state else 0
-        candidates = [self.prefix_cache.lookup(prompt), self.prompt_cache.lookup(prompt)]
-        entry = max((c for c in candidates if c is not None), key=lambda c: len(c.tokens), default=None)
-        depth = max(live, len(entry.tokens) if entry is not None else 0)
-        if self.disk_cache is not None:
-            found = self.disk_cache.lookup(prompt, deeper_than=depth)
-            if found is not None:
-                self.prefix_cache.store(found.tokens, found.snapshot, found.draft_rows)
-                entry = CacheEntry(found.tokens, found.snapshot, found.draft_rows, 0)
-        if entry is None or len(entry.tokens) <= live:
-            kept = self.rollback(live)
-            return kept, self.generated_from is not None and kept > self.generated_from
-        generated_from = entry.generated_from
-        return self._restore(entry), generated_from is not None and len(entry.tokens) > generated_from
-
-    def _restore(self, entry: CacheEntry) -> int:
-        common = common_prefix_length(self.committed, entry.tokens)
-        self.kv.restore(entry.snapshot)
-        self.committed = list(entry.tokens)
-        self.generated_from = entry.generated_from
-        if self.dflash_drafter is not None:
-            if entry.draft_rows is not None:
-                self.dflash_drafter.restore(entry.draft_rows, common)
-            else:
-                self.dflash_drafter.crop(common)
-        return len(entry.tokens)
-
-    def snapshot(self, cache: PrefixCache, generated_from: int | None = None, length: int | None = None) -> None:
-        """Store the state of the first `length` committed tokens (all by default) in `cache`, a
-        right-sized copy."""
-        tokens = self.committed if length is None else self.committed[:length]
-        if not cache.enabled or tokens in cache:
-            return
-        rows = self.dflash_drafter.context_rows(len(tokens)) if self.dflash_drafter is not None else None
-        if rows is not None and rows.shape[0] != len(tokens):
-            rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
-        snapshot = self.kv.snapshot(len(tokens))
-        cache.store(tokens, snapshot, rows, generated_from)
-        if self.disk_cache is not None and isinstance(snapshot, KVSnapshot):  # not the transformers backend
-            self.disk_cache.store(tokens, snapshot, rows)
 
     def drafters(self) -> dict[str, object]:
         """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""
@@ -240,7 +170,6 @@ class Generation:
         prompt_ids: list[int],
         sampling: SamplingParams,
         max_tokens: int,
-        stop_token_ids: Sequence[Sequence[int]],
         snapshot_at: Sequence[int] = (),
         constraint=None,
     ):
@@ -258,26 +187,23 @@ class Generation:
         self.sampler = Sampler(sampling, engine.vocab_size)
         self.constraint = constraint  # a GrammarConstraint, or None
         self.max_tokens = min(max_tokens, engine.max_ctx - len(prompt_ids))
-        self.stop_token_ids = [list(s) for s in stop_token_ids if s]
         self.output: list[int] = []
         self.finished: FinishReason | None = None
         self.closed = False
         self.speculation = SpeculationPolicy(engine.speculation, engine.drafters())
         # Reuse the live KV state or a cached snapshot for the shared prefix; at least one prompt
         # token is always computed, because its logits give the first generated token.
-        reused, turn_hit = engine.resume(prompt_ids)
-        # Snapshots this prompt leaves behind still hold that generated turn.
-        self.turn_from = engine.generated_from if turn_hit else None
-        engine.generated_from = len(prompt_ids)
+        reused, self.turn_from = engine.prefix_reuse.begin(prompt_ids)  # snapshots still hold that turn
         self.position = reused  # next prompt index to prefill
         # Where prefill pauses to snapshot: message boundaries, then the prompt minus its last token
         # (an identical request restores that and computes one token).
         self.boundaries: list[int] = []
-        if engine.prefix_cache.enabled:
+        if engine.prefix_reuse.keeps_boundaries:
             self.boundaries = sorted(p for p in set(snapshot_at) if reused < p < len(prompt_ids) - 1)
         exact = len(prompt_ids) - 1
-        self.exact_prompt_boundary = exact if engine.prompt_cache.enabled and exact > reused else None
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=reused, agent_turn_cache_hit=turn_hit)
+        self.exact_prompt_boundary = exact if engine.prefix_reuse.keeps_prompts and exact > reused else None
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=reused,
+                                     agent_turn_cache_hit=self.turn_from is not None)
 
     @property
     def prefilling(self) -> bool:
@@ -310,9 +236,9 @@ class Generation:
         logits = self.engine.forward(chunk)
         for boundary in self.boundaries:
             if start < boundary <= self.position:
-                self.engine.snapshot(self.engine.prefix_cache, self._turn_within(boundary), length=boundary)
+                self.engine.prefix_reuse.keep_boundary(boundary, self._turn_within(boundary))
         if exact is not None and start < exact <= self.position:
-            self.engine.snapshot(self.engine.prompt_cache, self._turn_within(exact), length=exact)
+            self.engine.prefix_reuse.keep_prompt(exact, self._turn_within(exact))
         if self.prefilling:
             return StepOutput([], None, "prefill")
         emitted = self._emit(self._sample(logits[-1]))
@@ -374,17 +300,13 @@ class Generation:
             self.finished = "stop"
             return []
         self.output.append(token)
-        if any(self.output[-len(s) :] == s for s in self.stop_token_ids):
-            self.finished = "stop"
-        elif len(self.output) >= self.max_tokens:
+        if len(self.output) >= self.max_tokens:
             self.finished = "length"
         return [token]
 
     def close(self) -> None:
         """Release the engine; its KV state keeps every computed token for the next prompt to reuse."""
         self.closed = True
-        if self.engine._live is self:
-            self.engine._live = None
 
     def run(self) -> list[int]:
         """Step to the end (for the CLI, tests and benchmarks); returns the generated tokens."""

@@ -1,4 +1,5 @@
-"""The sampling chain, in the order of spec/API.md "Sampling Chain".
+"""The sampling chain, in the order of the reference API's "Sampling Chain" (shared/spec/API.md
+beside the repository).
 
 logit_bias -> repetition_penalty (HF, multiplicative) -> frequency + presence penalty (OpenAI,
 additive) -> top_k -> temperature softmax -> top_p -> random draw, or argmax at temperature 0.
@@ -11,30 +12,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import attrs
 import torch
 from torch import Tensor
 
-
-@attrs.frozen
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    rep_window: int = 256
-    logit_bias: dict[int, float] = attrs.field(factory=dict)
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+from dflash.sampling_params import SamplingParams
 
 
 class Sampler:

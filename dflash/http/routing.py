@@ -12,9 +12,6 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 
 from dflash.http.server import ErrorResponder, Handler, Request, Response, ResponseWriter
-from dflash.logs import get_logger
-
-log = get_logger("dflash.http")
 
 
 @attrs.frozen
@@ -91,13 +88,7 @@ class Router:
         handler = self._find(request)
         if handler is None:
             return self._not_routed(request)
-        try:
-            return await handler(request, writer)
-        except Exception:
-            if writer.started:
-                raise
-            log.exception("handler_failed", id=request.id, path=request.path)
-            return self._error_response(request.path, 500, "internal server error")
+        return await handler(request, writer)
 
     def _find(self, request: Request) -> Handler | None:
         handler = self._routes.get((request.method, request.path))

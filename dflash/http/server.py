@@ -20,7 +20,6 @@ import attrs
 import h11
 import trio
 
-from dflash.http.sse import PeerCloseWatcher
 from dflash.logs import get_logger
 
 RECEIVE_SIZE = 64 * 1024
@@ -176,6 +175,23 @@ class _Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
         await trio.aclose_forcefully(self.stream)
+
+
+class PeerCloseWatcher:
+    """Reads the socket while a request is being answered and cancels the request's scope when the
+    peer closes. Without it a closed client is only noticed on the next write, which never comes
+    for a queued job, a long prefill, or a non-streaming request."""
+
+    def __init__(self, receive_more: Callable[[], Awaitable[bool]], scope: trio.CancelScope):
+        self._receive_more = receive_more
+        self._scope = scope
+        self.peer_closed = False
+
+    async def run(self) -> None:
+        while await self._receive_more():
+            pass
+        self.peer_closed = True
+        self._scope.cancel()
 
 
 class ResponseWriter:
@@ -362,6 +378,9 @@ class HTTPServer:
         return writer.finished and connection.h11.our_state is h11.DONE and connection.h11.their_state is h11.DONE
 
     async def _run_handler(self, request: Request, writer: ResponseWriter) -> None:
+        """The one place a handler's unexpected error is caught: answered with a 500 in the path's
+        error shape while nothing has been sent; after that the response stays incomplete and the
+        connection closes, which is all a client can still be told."""
         try:
             response = await self._handler(request, writer)
             if response is not None:
@@ -369,10 +388,9 @@ class HTTPServer:
         except* ClientGone:
             raise
         except* Exception:
-            # The router answers handler errors in the dialect's shape; reaching here is a bug.
             log.exception("handler_failed", id=request.id, path=request.path)
             if not writer.started:
-                await writer.send(plain_error(request.path, 500, "internal server error"))
+                await writer.send(self._error_response(request.path, 500, "internal server error"))
 
     async def _refuse(self, connection: _Connection, refusal: _Refused) -> None:
         request = refusal.request

@@ -1,4 +1,4 @@
-"""Server-sent events: framing, the `: keep-alive` ticker, and the peer-close watcher.
+"""Server-sent events: framing and the `: keep-alive` ticker.
 
 Two framings: `data:` lines only (OpenAI Chat Completions) and `event:` + `data:` (Anthropic
 Messages, OpenAI Responses). Both come from `frame`.
@@ -6,7 +6,7 @@ Messages, OpenAI Responses). Both come from `frame`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -75,20 +75,3 @@ async def open_sse_stream(writer: BodyWriter, keepalive_s: float, headers: Seque
         yield stream
         nursery.cancel_scope.cancel()
     await writer.end()
-
-
-class PeerCloseWatcher:
-    """Reads the socket while a request is being answered and cancels the request's scope when the
-    peer closes. Without it a closed client is only noticed on the next write, which never comes
-    for a queued job, a long prefill, or a non-streaming request."""
-
-    def __init__(self, receive_more: Callable[[], Awaitable[bool]], scope: trio.CancelScope):
-        self._receive_more = receive_more
-        self._scope = scope
-        self.peer_closed = False
-
-    async def run(self) -> None:
-        while await self._receive_more():
-            pass
-        self.peer_closed = True
-        self._scope.cancel()

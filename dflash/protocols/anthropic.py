@@ -13,13 +13,12 @@ from typing import Any
 
 import attrs
 
-from dflash.protocols import fields
+from dflash.protocols import common, fields
 from dflash.protocols.canonical import (Finished, GenerationRequest, Message, OutputEvent, OutputFormat,
                                         ReasoningDelta, SSEEvent, TextDelta, Thinking, ToolCall, ToolCallDelta, ToolCallEnd,
                                         ToolCallStart, ToolChoice, ToolSpec, Usage, timings)
 from dflash.protocols.errors import APIError, anthropic_error_body
 from dflash.protocols.fields import bad, path
-from dflash.protocols.openai_chat import function_tool, parse_max_tokens, parse_sampling
 
 ROLES = ("user", "assistant", "system")
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
@@ -52,8 +51,8 @@ def parse_request(body: bytes, *, counting: bool = False) -> GenerationRequest:
         tools=_tools(payload),
         tool_choice=_tool_choice(choice_type, tool_choice),
         parallel_tool_calls=not fields.boolean(tool_choice, "disable_parallel_tool_use", "tool_choice", default=False),
-        sampling=parse_sampling(payload),
-        max_tokens=parse_max_tokens(payload, ("max_tokens",)),
+        sampling=common.parse_sampling(payload),
+        max_tokens=common.parse_max_tokens(payload, ("max_tokens",)),
         stop=fields.strings(payload, "stop_sequences", single_allowed=False),
         stream=bool(fields.boolean(payload, "stream")),
         output_format=_output_format(payload),
@@ -164,7 +163,7 @@ def _tools(payload: dict) -> tuple[ToolSpec, ...]:
             raise bad(where, "must be an object", tool)
         if tool.get("type") not in (None, "custom"):
             continue  # Anthropic's server tools (web_search_…, bash_…): nothing here runs them
-        parsed.append(function_tool(tool, where, schema_key="input_schema"))
+        parsed.append(common.function_tool(tool, where, schema_key="input_schema"))
     return tuple(parsed)
 
 
@@ -187,8 +186,6 @@ def _thinking(payload: dict) -> Thinking:
     thinking = fields.obj(payload, "thinking")
     output_config = fields.obj(payload, "output_config") or {}
     effort = fields.string(output_config, "effort", "output_config")
-    kwargs = fields.obj(payload, "chat_template_kwargs") or {}
-    explicit = fields.boolean(kwargs, "enable_thinking", "chat_template_kwargs")
     enabled, budget = None, None
     if thinking is not None:
         kind = fields.string(thinking, "type", "thinking")
@@ -196,8 +193,7 @@ def _thinking(payload: dict) -> Thinking:
             raise bad("thinking.type", "must be enabled, adaptive or disabled", kind)
         enabled = THINKING_TYPES[kind]
         budget = fields.integer(thinking, "budget_tokens", None, low=0, where="thinking")
-    return Thinking(enabled=enabled if explicit is None else explicit, effort=effort, budget_tokens=budget,
-                    preserve=fields.boolean(kwargs, "preserve_thinking", "chat_template_kwargs"))
+    return common.thinking(payload, enabled=enabled, effort=effort, budget_tokens=budget)
 
 
 def _output_format(payload: dict) -> OutputFormat:

@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 import attrs
 
+# The engine samples with the very object a dialect parses (see dflash/sampling_params.py).
+from dflash.sampling_params import SamplingParams as Sampling
+
 DEFAULT_MAX_TOKENS = 4096
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -73,19 +76,6 @@ ToolChoiceMode = Literal["auto", "none", "required"]
 class ToolChoice:
     mode: ToolChoiceMode = "auto"
     name: str | None = None  # a named tool (mode "required")
-
-
-@attrs.frozen
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    rep_window: int = 256
-    logit_bias: dict[int, float] = attrs.field(factory=dict)
-    seed: int | None = None
 
 
 @attrs.frozen

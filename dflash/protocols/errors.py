@@ -1,7 +1,10 @@
 """APIError and the error body each dialect's clients expect.
 
-OpenAI: {"error": {"message", "type", "param", "code"}}
+OpenAI: {"error": {"message", "type", "param", "code"}}; a failed Response: {"code", "message"}
 Anthropic: {"type": "error", "error": {"type", "message"}}
+
+The same error has the same type and code whether it is the body of an error response or, once a
+stream has begun, an event in it.
 
 The SDKs map the HTTP status to their exception classes; the `type` strings follow what the real
 services send, so clients that inspect them (Codex reads `code`) behave as they would there.
@@ -55,6 +58,7 @@ class APIError(Exception):
 
 
 def openai_error_body(error: APIError) -> dict:
+    """An HTTP error body, and the same object where a Chat Completions stream carries the error."""
     error_type = OPENAI_TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
     return {"error": {
         "message": error.message,
@@ -62,6 +66,13 @@ def openai_error_body(error: APIError) -> dict:
         "param": error.param,
         "code": error.code or OPENAI_CODES.get(error.status),
     }}
+
+
+def response_error(error: APIError) -> dict:
+    """A failed Response's `error` (OpenAI Responses): {code, message}, the code that of the HTTP
+    body, or its type where that has no code."""
+    body = openai_error_body(error)["error"]
+    return {"code": body["code"] or body["type"], "message": error.message}
 
 
 def anthropic_error_body(error: APIError) -> dict:

@@ -11,12 +11,11 @@ from typing import Any
 
 import attrs
 
-from dflash.protocols import fields
-from dflash.protocols.canonical import (DEFAULT_MAX_TOKENS, Finished, GenerationRequest, Logprobs, Message,
-                                        OutputEvent, OutputFormat, ReasoningDelta, Sampling, SSEEvent, TextDelta,
-                                        Thinking, TokenLogprob, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart,
-                                        ToolChoice, ToolGrammar, ToolSpec, Usage, timings)
-from dflash.protocols.errors import APIError
+from dflash.protocols import common, fields
+from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, Message, OutputEvent, ReasoningDelta,
+                                        SSEEvent, TextDelta, Thinking, TokenLogprob, ToolCall, ToolCallDelta,
+                                        ToolCallEnd, ToolCallStart, ToolSpec, Usage, timings)
+from dflash.protocols.errors import APIError, openai_error_body
 from dflash.protocols.fields import bad, path
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
@@ -47,15 +46,16 @@ def parse_request(body: bytes) -> GenerationRequest:
     return GenerationRequest(
         messages=_messages(payload.get("messages")),
         model=fields.string(payload, "model"),
-        tools=parse_tools(payload),
-        tool_choice=parse_tool_choice(payload.get("tool_choice")),
+        tools=_tools(payload),
+        tool_choice=common.parse_tool_choice(payload.get("tool_choice")),
         parallel_tool_calls=fields.boolean(payload, "parallel_tool_calls", default=True),
-        sampling=parse_sampling(payload),
-        max_tokens=parse_max_tokens(payload, MAX_TOKENS_FIELDS),
+        sampling=common.parse_sampling(payload),
+        max_tokens=common.parse_max_tokens(payload, MAX_TOKENS_FIELDS),
         stop=fields.strings(payload, "stop"),
         stream=bool(fields.boolean(payload, "stream")),
-        output_format=_response_format(fields.obj(payload, "response_format")),
-        thinking=parse_thinking(payload),
+        output_format=common.output_format(fields.obj(payload, "response_format"), "response_format",
+                                           schema_in="json_schema"),
+        thinking=_thinking(payload),
         template_kwargs=fields.obj(payload, "chat_template_kwargs") or {},
         n=fields.integer(payload, "n", 1, low=1, high=MAX_CHOICES),
         logprobs=logprobs or bool(top_logprobs),
@@ -65,43 +65,14 @@ def parse_request(body: bytes) -> GenerationRequest:
     )
 
 
-def parse_sampling(payload: dict) -> Sampling:
-    """The sampling fields all three dialects share (spec/API.md "Sampling Chain")."""
-    repetition_penalty = "repetition_penalty" if payload.get("repetition_penalty") is not None else "rep_pen"
-    return Sampling(
-        temperature=fields.number(payload, "temperature", 0.0, low=0.0, high=2.0),
-        top_p=fields.number(payload, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
-        top_k=fields.integer(payload, "top_k", 0, low=0),
-        repetition_penalty=fields.number(payload, repetition_penalty, 1.0, low=0.0, high=10.0, low_open=True),
-        frequency_penalty=fields.number(payload, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        presence_penalty=fields.number(payload, "presence_penalty", 0.0, low=-2.0, high=2.0),
-        rep_window=fields.integer(payload, "rep_window", 256, low=1),
-        logit_bias=fields.logit_bias(payload),
-        seed=fields.seed(payload),
-    )
-
-
-def parse_max_tokens(payload: dict, names: tuple[str, ...]) -> int:
-    """The first of the alias fields that is set; the default when none is (never an error)."""
-    for name in names:
-        value = fields.integer(payload, name, None, low=1)
-        if value is not None:
-            return value
-    return DEFAULT_MAX_TOKENS
-
-
-def parse_thinking(payload: dict) -> Thinking:
+def _thinking(payload: dict) -> Thinking:
     """reasoning.effort, then reasoning_effort, then chat_template_kwargs (the most direct) decide."""
     reasoning = fields.obj(payload, "reasoning") or {}
     effort = fields.string(reasoning, "effort", "reasoning") or fields.string(payload, "reasoning_effort")
-    enabled = None if effort is None else effort != "none"
-    kwargs = fields.obj(payload, "chat_template_kwargs") or {}
-    explicit = fields.boolean(kwargs, "enable_thinking", "chat_template_kwargs")
-    preserve = fields.boolean(kwargs, "preserve_thinking", "chat_template_kwargs")
-    return Thinking(enabled=enabled if explicit is None else explicit, effort=effort, preserve=preserve)
+    return common.thinking(payload, enabled=common.effort_enables(effort), effort=effort)
 
 
-def parse_tools(payload: dict) -> tuple[ToolSpec, ...]:
+def _tools(payload: dict) -> tuple[ToolSpec, ...]:
     tools = fields.array(payload, "tools") or []
     parsed = []
     for index, tool in enumerate(tools):
@@ -113,77 +84,17 @@ def parse_tools(payload: dict) -> tuple[ToolSpec, ...]:
             function = fields.required(tool, "function", where)
             if not isinstance(function, dict):
                 raise bad(path(where, "function"), "must be an object", function)
-            parsed.append(function_tool(function, path(where, "function")))
+            parsed.append(common.function_tool(function, path(where, "function")))
         elif kind == "custom":
             custom = fields.obj(tool, "custom", where) or {}
             tool_format = fields.obj(custom, "format", path(where, "custom"))
             if tool_format is not None and isinstance(tool_format.get("grammar"), dict):
                 # Chat Completions nests the grammar one level down: {type, grammar: {syntax, definition}}.
                 tool_format = {"type": tool_format.get("type"), **tool_format["grammar"]}
-            parsed.append(ToolSpec(name=_tool_name(custom, path(where, "custom")),
+            parsed.append(ToolSpec(name=common.tool_name(custom, path(where, "custom")),
                                    description=fields.string(custom, "description", where, default=""),
-                                   kind="custom", grammar=tool_grammar(tool_format, path(where, "custom.format"))))
+                                   kind="custom", grammar=common.tool_grammar(tool_format, path(where, "custom.format"))))
     return tuple(parsed)
-
-
-def function_tool(function: dict, where: str, *, schema_key: str = "parameters") -> ToolSpec:
-    parameters = fields.obj(function, schema_key, where)
-    return ToolSpec(name=_tool_name(function, where),
-                    description=fields.string(function, "description", where, default=""),
-                    parameters=parameters if parameters is not None else {"type": "object", "properties": {}})
-
-
-def _tool_name(tool: dict, where: str) -> str:
-    name = fields.string(tool, "name", where)
-    if not name:
-        raise bad(path(where, "name"), "must be a non-empty string", tool.get("name"))
-    return name
-
-
-def tool_grammar(tool_format: dict | None, where: str) -> ToolGrammar | None:
-    """A custom tool's `format`: {"type": "grammar", "syntax": "lark" | "regex", "definition"};
-    {"type": "text"} or none leaves the input free."""
-    if not tool_format or tool_format.get("type") in (None, "text"):
-        return None
-    if tool_format.get("type") != "grammar":
-        raise bad(path(where, "type"), "must be text or grammar", tool_format.get("type"))
-    syntax = fields.string(tool_format, "syntax", where, default="lark")
-    if syntax not in ("lark", "regex"):
-        raise bad(path(where, "syntax"), "must be lark or regex", syntax)
-    definition = fields.string(tool_format, "definition", where)
-    if not definition:
-        raise bad(path(where, "definition"), "must be a non-empty grammar", tool_format.get("definition"))
-    return ToolGrammar(syntax, definition)
-
-
-def parse_tool_choice(choice: Any, where: str = "tool_choice") -> ToolChoice:
-    if choice is None:
-        return ToolChoice()
-    if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise bad(where, "must be auto, none, required or a named tool", choice)
-        return ToolChoice(choice)
-    if not isinstance(choice, dict):
-        raise bad(where, "must be a string or an object", choice)
-    named = choice.get("function") if isinstance(choice.get("function"), dict) else choice
-    name = named.get("name")
-    if isinstance(name, str) and name:
-        return ToolChoice("required", name)
-    return ToolChoice()  # allowed_tools and other shapes: the model chooses
-
-
-def _response_format(value: dict | None) -> OutputFormat:
-    if not value:
-        return OutputFormat()
-    kind = fields.string(value, "type", "response_format", default="text")
-    if kind == "json_schema":
-        spec = fields.obj(value, "json_schema", "response_format") or {}
-        return OutputFormat("json_schema", fields.obj(spec, "schema", "response_format.json_schema"),
-                            fields.string(spec, "name", "response_format.json_schema"),
-                            field="response_format.json_schema.schema")
-    if kind not in ("text", "json_object"):
-        raise bad("response_format.type", "must be text, json_object or json_schema", kind)
-    return OutputFormat(kind)
 
 
 def _tracing(payload: dict) -> dict[str, Any]:
@@ -281,7 +192,8 @@ class ChatCompletionRender:
             return [self._chunk(index, {"reasoning_content": event.text})]
         if isinstance(event, ToolCallStart):
             choice.call_kinds[event.index] = event.kind
-            return [self._chunk(index, {"tool_calls": [_call_start(event)]})]
+            started = ToolCall(event.id, event.name, "", event.kind)
+            return [self._chunk(index, {"tool_calls": [{"index": event.index, **render_tool_call(started)}]})]
         if isinstance(event, ToolCallDelta):
             kind = choice.call_kinds.get(event.index, "function")
             key = "input" if kind == "custom" else "arguments"
@@ -314,8 +226,7 @@ class ChatCompletionRender:
 
     def failure(self, error: APIError) -> list[SSEEvent]:
         """After the SSE headers went out the status line is spent: the error rides in the stream."""
-        return [(None, {"error": {"message": error.message, "type": error_type(error), "param": error.param,
-                                  "code": error.code or error.status}}), (None, "[DONE]")]
+        return [(None, openai_error_body(error)), (None, "[DONE]")]
 
     @property
     def usage(self) -> Usage:
@@ -356,13 +267,6 @@ class ChatCompletionRender:
         return {"id": self.header.id, "object": kind, "created": self.header.created, "model": self.header.model}
 
 
-def _call_start(event: ToolCallStart) -> dict:
-    if event.kind == "custom":
-        return {"index": event.index, "id": event.id, "type": "custom", "custom": {"name": event.name, "input": ""}}
-    return {"index": event.index, "id": event.id, "type": "function",
-            "function": {"name": event.name, "arguments": ""}}
-
-
 def render_tool_call(call: ToolCall) -> dict:
     if call.kind == "custom":
         return {"id": call.id, "type": "custom", "custom": {"name": call.name, "input": call.arguments}}
@@ -383,7 +287,3 @@ def render_usage(usage: Usage) -> dict:
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "timings": timings(usage),
     }
-
-
-def error_type(error: APIError) -> str:
-    return "server_error" if error.status >= 500 else "invalid_request_error"

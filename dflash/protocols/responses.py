@@ -6,7 +6,8 @@ custom (freeform, e.g. apply_patch), namespace (flattened) and built-ins (web_se
 accepted, not offered to the model). A custom tool's call comes back as a `custom_tool_call`
 item with raw `input`, never as a function_call.
 
-Output order (spec/API.md "Tool-call output and replay"): reasoning (if any), then one assistant
+Output order (the reference API's "Tool-call output and replay", shared/spec/API.md beside the
+repository): reasoning (if any), then one assistant
 message (its text may be empty when the reply is only calls), then one item per call. Every event
 has a `sequence_number`; item ids in the stream are those of the final response.
 """
@@ -19,14 +20,12 @@ from typing import Any
 
 import attrs
 
-from dflash.protocols import fields
-from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, Message, OutputEvent, OutputFormat,
-                                        ReasoningDelta, SSEEvent, TextDelta, Thinking, ToolCall, ToolCallDelta, ToolCallEnd,
+from dflash.protocols import common, fields
+from dflash.protocols.canonical import (Finished, GenerationRequest, Logprobs, Message, OutputEvent, ReasoningDelta,
+                                        SSEEvent, TextDelta, Thinking, ToolCall, ToolCallDelta, ToolCallEnd,
                                         ToolCallStart, ToolSpec, Usage, timings)
-from dflash.protocols.errors import APIError
+from dflash.protocols.errors import APIError, response_error
 from dflash.protocols.fields import bad, path
-from dflash.protocols.openai_chat import (error_type, function_tool, parse_max_tokens, parse_sampling,
-                                          parse_tool_choice, tool_grammar)
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
@@ -67,13 +66,13 @@ def parse_request(body: bytes) -> ResponsesRequest:
         messages=_with_instructions(instructions, messages),
         model=fields.string(payload, "model"),
         tools=_tools(tools_sent),
-        tool_choice=parse_tool_choice(tool_choice),
+        tool_choice=common.parse_tool_choice(tool_choice),
         parallel_tool_calls=fields.boolean(payload, "parallel_tool_calls", default=True),
-        sampling=parse_sampling(payload),
-        max_tokens=parse_max_tokens(payload, MAX_TOKENS_FIELDS),
+        sampling=common.parse_sampling(payload),
+        max_tokens=common.parse_max_tokens(payload, MAX_TOKENS_FIELDS),
         stop=fields.strings(payload, "stop"),
         stream=bool(fields.boolean(payload, "stream")),
-        output_format=_text_format(fields.obj(text, "format", "text")),
+        output_format=common.output_format(fields.obj(text, "format", "text"), "text.format"),
         thinking=_thinking(reasoning, payload),
         template_kwargs=fields.obj(payload, "chat_template_kwargs") or {},
         metadata=fields.obj(payload, "metadata") or {},
@@ -114,23 +113,7 @@ def _with_instructions(instructions: str | None, messages: tuple[Message, ...]) 
 def _thinking(reasoning: dict, payload: dict) -> Thinking:
     effort = fields.string(reasoning, "effort", "reasoning")
     fields.string(reasoning, "summary", "reasoning")
-    kwargs = fields.obj(payload, "chat_template_kwargs") or {}
-    explicit = fields.boolean(kwargs, "enable_thinking", "chat_template_kwargs")
-    enabled = None if effort is None else effort != "none"
-    return Thinking(enabled=enabled if explicit is None else explicit, effort=effort,
-                    preserve=fields.boolean(kwargs, "preserve_thinking", "chat_template_kwargs"))
-
-
-def _text_format(value: dict | None) -> OutputFormat:
-    if not value:
-        return OutputFormat()
-    kind = fields.string(value, "type", "text.format", default="text")
-    if kind == "json_schema":
-        return OutputFormat("json_schema", fields.obj(value, "schema", "text.format"),
-                            fields.string(value, "name", "text.format"), field="text.format.schema")
-    if kind not in ("text", "json_object"):
-        raise bad("text.format.type", "must be text, json_object or json_schema", kind)
-    return OutputFormat(kind, field="text.format")
+    return common.thinking(payload, enabled=common.effort_enables(effort), effort=effort)
 
 
 def _tools(tools: list) -> tuple[ToolSpec, ...]:
@@ -146,14 +129,11 @@ def _tools(tools: list) -> tuple[ToolSpec, ...]:
 def _tool(where: str, tool: dict, *, namespace: str | None) -> list[ToolSpec]:
     kind = tool.get("type")
     if kind == "function":
-        return [attrs.evolve(function_tool(tool, where), namespace=namespace)]
+        return [attrs.evolve(common.function_tool(tool, where), namespace=namespace)]
     if kind == "custom":
-        name = fields.string(tool, "name", where)
-        if not name:
-            raise bad(path(where, "name"), "must be a non-empty string", tool.get("name"))
-        return [ToolSpec(name=name, description=_custom_description(tool, where), kind="custom",
-                         namespace=namespace, grammar=tool_grammar(fields.obj(tool, "format", where),
-                                                                   path(where, "format")))]
+        return [ToolSpec(name=common.tool_name(tool, where), description=_custom_description(tool, where),
+                         kind="custom", namespace=namespace,
+                         grammar=common.tool_grammar(fields.obj(tool, "format", where), path(where, "format")))]
     if kind == "namespace":
         inner = fields.array(tool, "tools", where) or []
         name = fields.string(tool, "name", where)
@@ -354,8 +334,7 @@ class ResponseRender:
     def failure(self, error: APIError) -> list[SSEEvent]:
         out = self._close()
         self._status = "failed"
-        self._error = {"code": error.code or ("server_error" if error.status >= 500 else error_type(error)),
-                       "message": error.message}
+        self._error = response_error(error)
         return out + [self._event("response.failed", response=self._snapshot())]
 
     def body(self) -> dict:

@@ -47,16 +47,6 @@ def test_eos_stops_without_emitting_the_eos_token():
     assert generation.finished == "stop"
 
 
-def test_stop_token_sequence_stops_after_the_sequence():
-    engine = make_engine()
-    expected = reference_greedy(engine, PROMPT, 6)
-    stop = expected[2:4]
-    first_end = next(i for i in range(2, 7) if expected[i - 2 : i] == stop)
-    generation = engine.start(PROMPT, SamplingParams(), max_tokens=10, stop_token_ids=[stop])
-    assert generation.run() == expected[:first_end]
-    assert generation.finished == "stop"
-
-
 def test_next_prompt_reuses_the_live_prefix_and_gives_the_same_tokens():
     engine = make_engine()
     first = engine.start(PROMPT, SamplingParams(), max_tokens=4)

@@ -1,4 +1,4 @@
-"""A fake model for server tests: the engine contract of dflash/engine/generate.py, and a
+"""A fake model for server tests: the engine contract of dflash/engine/contract.py, and a
 byte-level text side (token id = byte value, EOS = 256) with a ChatML template (the embedded
 SmolLM2's), with configurable slow steps. The engine replies with scripted text, so a test can
 make the "model" write reasoning, tool calls or stop strings, split one byte per token.
@@ -18,10 +18,11 @@ from functools import partial
 
 import attrs
 
-from dflash.api import ModelText
 from dflash.chat.template import ChatTemplate, Tokenized
 from dflash.config import Config
+from dflash.engine.contract import GenerationStats
 from dflash.protocols.canonical import GenerationRequest, Message
+from dflash.reply import ModelText
 
 EOS = 256
 VOCAB_SIZE = 257
@@ -34,19 +35,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SCRIPTED_LOGIT = 5.0  # the scripted token's logit; every other token's is 0
-
-
-@attrs.define
-class FakeStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verification_steps: int = 0
 
 
 class ScriptedSampler:
@@ -71,17 +59,16 @@ class ScriptedSampler:
         processed[self.sample(logits, history)] = SCRIPTED_LOGIT
         return processed
 
-    def probabilities(self, processed):
+    def probabilities(self, logits):
         import torch
 
-        return torch.softmax(processed, dim=-1)
+        return torch.softmax(logits, dim=-1)
 
 
 @attrs.define
 class FakeStepOutput:
     tokens: list[int]
     finished: str | None
-    phase: str
 
 
 class FakeGeneration:
@@ -95,7 +82,7 @@ class FakeGeneration:
         self.sampler = ScriptedSampler(engine, sampling)
         self.output: list[int] = []
         self.finished: str | None = None
-        self.stats = FakeStats(prompt_tokens=len(prompt_ids))
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.step_starts: list[float] = []  # time.monotonic() at the start of each step
         self.closed_at: float | None = None
         self.grammar: str | None = None
@@ -125,7 +112,7 @@ class FakeGeneration:
         self._prefilled += chunk
         self.stats.prefilled_tokens += chunk
         self.stats.prefill_ms += (time.monotonic() - began) * 1000
-        return FakeStepOutput(tokens=[], finished=None, phase="prefill")
+        return FakeStepOutput(tokens=[], finished=None)
 
     def _decode_one(self) -> FakeStepOutput:
         began = time.monotonic()
@@ -139,7 +126,7 @@ class FakeGeneration:
             if self.stats.generated_tokens >= self.max_tokens:
                 self.finished = "length"
         self.stats.decode_ms += (time.monotonic() - began) * 1000
-        return FakeStepOutput(tokens=[token] if token != EOS else [], finished=self.finished, phase="decode")
+        return FakeStepOutput(tokens=[token] if token != EOS else [], finished=self.finished)
 
     def close(self) -> None:
         if self.closed_at is None:
@@ -161,8 +148,9 @@ class FakeGrammarTokenizer:
 
 
 class FakeEngine:
-    """Mirrors dflash.engine.generate.Engine. Checks the contract: one live generation at a time,
-    start() and step() only from one thread, no step after the end."""
+    """Follows dflash.engine.contract.Engine, as dflash.engine.generate.Engine does. Checks the
+    scheduler keeps to it: one live generation at a time, every call from one thread, no step
+    after the end."""
 
     def __init__(self, *, max_ctx: int = 4096, prefill_chunk: int = 16, prefill_step_s: float = 0.0,
                  decode_step_s: float = 0.0, reply: str = REPLY, endless: bool = False,
@@ -178,9 +166,10 @@ class FakeEngine:
         self.live: FakeGeneration | None = None
         self.threads: set[str] = set()
         self.checkpoints: list[list[int]] = []  # agent turn checkpoints asked of the engine
+        self.closed = False  # at shutdown
 
-    def start(self, prompt_ids: list[int], sampling, max_tokens: int, stop_token_ids=(),
-              snapshot_at=(), grammar: str | None = None) -> FakeGeneration:
+    def start(self, prompt_ids: list[int], sampling, max_tokens: int, *, snapshot_at=(),
+              grammar: str | None = None) -> FakeGeneration:
         self.threads.add(threading.current_thread().name)
         if self.live is not None:
             raise RuntimeError("start() while another generation is live")
@@ -201,6 +190,12 @@ class FakeEngine:
     def grammar_tokenizer(self) -> FakeGrammarTokenizer:
         self.threads.add(threading.current_thread().name)
         return FakeGrammarTokenizer()
+
+    def close(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        if self.live is not None:
+            raise RuntimeError("close() while a generation is live")
+        self.closed = True
 
     @property
     def idle(self) -> bool:

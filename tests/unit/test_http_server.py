@@ -174,3 +174,24 @@ async def test_query_strings_do_not_change_the_route(start_server):
     chat = await request(served.port, "POST", CHAT + "?beta=true", json_body=HELLO)
     assert models.status == 200 and models.json()["object"] == "list"
     assert chat.status == 200
+
+
+async def test_an_unexpected_handler_error_is_a_500_in_the_error_shape_of_the_path(nursery):
+    from dflash.api import error_response
+    from dflash.app import limits_of
+    from dflash.config import Config
+    from dflash.http.server import HTTPServer
+
+    async def broken(request, writer):
+        raise RuntimeError("a bug")
+
+    server = HTTPServer(broken, limits_of(Config()), error_response=error_response)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(server.serve, listeners)
+    port = listeners[0].socket.getsockname()[1]
+    anthropic = await request(port, "POST", "/v1/messages", json_body={})
+    assert anthropic.status == 500 and anthropic.json() == {
+        "type": "error", "error": {"type": "api_error", "message": "internal server error"}}
+    openai = await request(port, "POST", CHAT, json_body={})
+    assert openai.status == 500 and openai.json()["error"]["type"] == "server_error"
+    server.stop_accepting()

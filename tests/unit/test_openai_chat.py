@@ -154,3 +154,20 @@ def test_thinking_switch_order():
     assert thinking(reasoning={"effort": "low"}, reasoning_effort="none").enabled is True
     assert thinking(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}).enabled is False
     assert thinking(chat_template_kwargs={"preserve_thinking": True}).preserve is True
+
+
+@pytest.mark.parametrize("status", [429, 500, 503])
+def test_an_error_in_the_stream_has_the_type_and_code_of_the_error_body(status):
+    from dflash.protocols import responses
+
+    error = APIError(status, "refused")
+    before = openai_error_body(error)["error"]
+    render = openai_chat.ChatCompletionRender(openai_chat.CompletionHeader("chatcmpl-1", 0, "m"), parse(
+        messages=[{"role": "user", "content": "hi"}]))
+    render.opening()
+    (_, in_stream), done = render.failure(error)
+    assert in_stream == {"error": before} and done == (None, "[DONE]")
+    response = responses.ResponseRender(responses.parse_request(b'{"input": "hi"}'), model="m", created_at=0)
+    response.opening()
+    [(_, failed)] = response.failure(error)
+    assert failed["response"]["error"] == {"code": before["code"] or before["type"], "message": "refused"}

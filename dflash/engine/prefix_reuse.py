@@ -1,0 +1,141 @@
+"""What the KV state holds, and how the next prompt reuses it.
+
+The engine computes tokens; this class keeps account of them: the committed tokens (those whose
+keys/values sit in kv[:length]), where their generated part begins, and the three places a
+prompt's prefix can come from instead of being computed again: the live state itself, snapshots
+in memory (message boundaries and exact prompts) and the disk tier. Rolling back, restoring and
+snapshotting move the KV cache and the DFlash drafter's context together, so the drafter always
+sees the context the target holds.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dflash.engine.disk_cache import DiskCache
+from dflash.engine.kv import KVSnapshot
+from dflash.engine.prefix_cache import CacheEntry, PrefixCache
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixReuse:
+    def __init__(self, kv, *, prefix_cache: PrefixCache, prompt_cache: PrefixCache, disk_cache: DiskCache | None,
+                 drafter, reuse_live_state: bool, agent_turn_replay: bool):
+        self.kv = kv
+        self.prefix_cache = prefix_cache  # snapshots at message boundaries
+        self.prompt_cache = prompt_cache  # snapshots of exact prompts (minus the last token)
+        self.disk_cache = disk_cache
+        self.drafter = drafter  # the DFlash drafter, whose context mirrors the KV; or None
+        # Off: every prompt starts from a snapshot or from nothing (what "caches off" means in benches).
+        self.reuse_live_state = reuse_live_state
+        self.agent_turn_replay = agent_turn_replay  # recompute a turn that renders differently (checkpoint)
+        self.committed: list[int] = []
+        # Where the generated part of the committed tokens begins (the last prompt's length).
+        self.generated_from: int | None = None
+
+    @property
+    def keeps_boundaries(self) -> bool:
+        return self.prefix_cache.enabled
+
+    @property
+    def keeps_prompts(self) -> bool:
+        return self.prompt_cache.enabled
+
+    def computed(self, tokens: Sequence[int]) -> None:
+        """The KV state now holds `tokens` after the committed ones."""
+        self.committed.extend(tokens)
+
+    def begin(self, prompt: Sequence[int]) -> tuple[int, int | None]:
+        """Make the KV state hold the longest available prefix of `prompt` (see `_resume`), and
+        count what follows the prompt as generated. Returns how many prompt tokens it holds, and
+        where a generated turn among them begins (None when they include none)."""
+        held, turn_hit = self._resume(prompt)
+        turn_from = self.generated_from if turn_hit else None
+        self.generated_from = len(prompt)
+        return held, turn_from
+
+    def rollback(self, length: int) -> int:
+        """Keep the first `length` committed tokens; returns how many the KV state really kept
+        (the transformers backend may have to start over when a sliding window lost the states)."""
+        self.kv.crop(length)
+        kept = self.kv.length
+        del self.committed[kept:]
+        if self.drafter is not None:
+            self.drafter.crop(kept)
+        return kept
+
+    def keep_boundary(self, length: int, generated_from: int | None) -> None:
+        """Snapshot the first `length` committed tokens, a message boundary."""
+        self._snapshot(self.prefix_cache, generated_from, length)
+
+    def keep_prompt(self, length: int, generated_from: int | None) -> None:
+        """Snapshot the first `length` committed tokens, a prompt minus its last token."""
+        self._snapshot(self.prompt_cache, generated_from, length)
+
+    def rewind_for_turn(self, turn: Sequence[int]) -> int | None:
+        """Agent turn cache, before computing `turn` (a prompt plus the turn generated for it, as
+        the next request will render it): roll back to what it shares with the committed tokens
+        and return where computing must start. None when the turn renders differently from what
+        was generated and replaying it is off."""
+        common = common_prefix_length(self.committed, turn)
+        if common < len(self.committed) and not self.agent_turn_replay:
+            return None
+        return self.rollback(common)
+
+    def keep_turn(self) -> None:
+        """Agent turn cache, after computing the turn: snapshot all the committed tokens."""
+        if self.generated_from is not None and self.generated_from >= len(self.committed):
+            self.generated_from = None
+        self._snapshot(self.prefix_cache, self.generated_from)
+
+    def _resume(self, prompt: Sequence[int]) -> tuple[int, bool]:
+        """The live state's common prefix or a cached snapshot, whichever is deeper (keeping at
+        least one token to compute: its logits give the first generated token). Returns how many
+        prompt tokens the KV state holds, and whether they include a generated turn."""
+        live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1) if self.reuse_live_state else 0
+        candidates = [self.prefix_cache.lookup(prompt), self.prompt_cache.lookup(prompt)]
+        entry = max((c for c in candidates if c is not None), key=lambda c: len(c.tokens), default=None)
+        depth = max(live, len(entry.tokens) if entry is not None else 0)
+        if self.disk_cache is not None:
+            found = self.disk_cache.lookup(prompt, deeper_than=depth)
+            if found is not None:
+                self.prefix_cache.store(found.tokens, found.snapshot, found.draft_rows)
+                entry = CacheEntry(found.tokens, found.snapshot, found.draft_rows, 0)
+        if entry is None or len(entry.tokens) <= live:
+            kept = self.rollback(live)
+            return kept, self.generated_from is not None and kept > self.generated_from
+        generated_from = entry.generated_from
+        return self._restore(entry), generated_from is not None and len(entry.tokens) > generated_from
+
+    def _restore(self, entry: CacheEntry) -> int:
+        common = common_prefix_length(self.committed, entry.tokens)
+        self.kv.restore(entry.snapshot)
+        self.committed = list(entry.tokens)
+        self.generated_from = entry.generated_from
+        if self.drafter is not None:
+            if entry.draft_rows is not None:
+                self.drafter.restore(entry.draft_rows, common)
+            else:
+                self.drafter.crop(common)
+        return len(entry.tokens)
+
+    def _snapshot(self, cache: PrefixCache, generated_from: int | None = None, length: int | None = None) -> None:
+        """Store the state of the first `length` committed tokens (all by default) in `cache`, a
+        right-sized copy."""
+        tokens = self.committed if length is None else self.committed[:length]
+        if not cache.enabled or tokens in cache:
+            return
+        rows = self.drafter.context_rows(len(tokens)) if self.drafter is not None else None
+        if rows is not None and rows.shape[0] != len(tokens):
+            rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
+        snapshot = self.kv.snapshot(len(tokens))
+        cache.store(tokens, snapshot, rows, generated_from)
+        if self.disk_cache is not None and isinstance(snapshot, KVSnapshot):  # not the transformers backend
+            self.disk_cache.store(tokens, snapshot, rows)
