@@ -37,7 +37,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.live_server import LiveServer, percentile  # noqa: E402
+from bench.live_server import LiveServer, percentile, report_verdict  # noqa: E402
+from tests.unit.dialects import sse_event  # noqa: E402
 from tests.unit.rawhttp import RawClient, request  # noqa: E402
 from tests.unit.wsclient import ResponsesClient  # noqa: E402
 
@@ -299,20 +300,6 @@ WRONG_TYPES = {
 
 
 # ---- streams -----------------------------------------------------------------------------------
-
-def sse_event(record: str) -> tuple[str | None, object]:
-    """(event name, data) of one SSE record; data None for a comment (keep-alive)."""
-    name, data = None, []
-    for line in record.split("\n"):
-        if line.startswith("event: "):
-            name = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            data.append(line.removeprefix("data: "))
-    if not data:
-        return name, None
-    text = "\n".join(data)
-    return name, text if text == "[DONE]" else json.loads(text)
-
 
 def stream_failed(dialect: str, name: str | None, data) -> bool:
     if dialect == "chat":
@@ -714,7 +701,7 @@ def table_row(minute: Minute) -> str:
     return "  ".join(str(cell).ljust(width) for cell, width in zip(cells, WIDTHS))
 
 
-def print_verdict(report: Report, out=print) -> None:
+def print_summary(report: Report, out=print) -> None:
     totals = ", ".join(f"{outcome} {report.count(outcome)}" for outcome in OUTCOMES)
     out(f"\ntotal: {totals}")
     out(f"/health while busy: p50 {percentile(report.health_busy_s, 0.5) * 1000:.1f} ms, "
@@ -724,10 +711,6 @@ def print_verdict(report: Report, out=print) -> None:
         f"at the end); server exit code {report.exit_code}")
     for line in [*report.problems[:20], *report.log_errors[:10]]:
         out(f"  {line}")
-    failures = report.failures()
-    for failure in failures:
-        out(f"FAIL: {failure}")
-    out("PASS" if not failures else f"{len(failures)} failure(s)")
 
 
 def mib(size: int) -> str:
@@ -748,12 +731,8 @@ def cpu_kind() -> str:
 async def main_async(args) -> int:
     report, server = await run_soak(FAKE if args.fake else REAL, minutes=args.minutes, clients=args.clients,
                                     seed=args.seed)
-    print_verdict(report)
-    if report.failures():
-        print(f"server log: {server.log_path}")
-        return 1
-    server.remove_files()
-    return 0
+    print_summary(report)
+    return report_verdict(server, report.failures())
 
 
 def main() -> int:

@@ -4,12 +4,12 @@ keep-alive connections, /health probes) against the fake engine in a subprocess.
 
 from __future__ import annotations
 
-from bench.soak import FAKE, print_verdict, run_soak
+from bench.soak import FAKE, print_summary, run_soak
 
 
 async def test_two_minutes_of_mixed_clients_leave_no_errors_hangs_or_leaked_descriptors():
     report, server = await run_soak(FAKE, minutes=2)
-    print_verdict(report)  # the table and verdict, shown when the test fails
+    print_summary(report)  # the totals and problems, shown when the test fails
     assert report.count("ok") > 0
     assert report.count("5xx") == 0
     assert report.count("hang") == 0
