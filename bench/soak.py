@@ -16,7 +16,7 @@ read from /proc. The verdict: no 5xx, hangs or unexpected outcomes; memory and d
 generation requests are in flight; no handler_failed / connection_failed (or any error) in the
 server's log; exit code 0 after SIGTERM.
 
-    python bench/soak.py [--minutes 5] [--fake] [--clients 4] [--seed 0]
+    python bench/soak.py [--minutes 5] [--fake] [--clients 4] [--seed 0] [--warmup-s 30]
 """
 
 from __future__ import annotations
@@ -730,7 +730,7 @@ def cpu_kind() -> str:
 
 async def main_async(args) -> int:
     report, server = await run_soak(FAKE if args.fake else REAL, minutes=args.minutes, clients=args.clients,
-                                    seed=args.seed)
+                                    seed=args.seed, warmup_s=args.warmup_s)
     print_summary(report)
     return report_verdict(server, report.failures())
 
@@ -741,9 +741,11 @@ def main() -> int:
     parser.add_argument("--fake", action="store_true", help="serve the unit tests' fake engine, not the model")
     parser.add_argument("--clients", type=int, default=4, help="concurrent generation clients")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-s", type=float, default=WARMUP_S,
+                        help="seconds before the memory and descriptor baseline (the prefix caches fill meanwhile)")
     args = parser.parse_args()
-    if args.minutes < 1:
-        parser.error("--minutes must be at least 1")
+    if args.minutes < 1 or not 0 < args.warmup_s < 60 * args.minutes:
+        parser.error("--minutes must be at least 1 and --warmup-s shorter than the run")
     return trio.run(main_async, args)
 
 
