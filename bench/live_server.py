@@ -105,6 +105,18 @@ class LiveServer:
         raise TimeoutError(f"server did not log {event_name!r} within {timeout}s; log: {self.log_path}")
 
 
+def report_verdict(server: LiveServer, failures: list[str]) -> int:
+    """Print the failures (or PASS); the exit code: 0 with the server's files removed, or 1 with
+    its log kept for a look."""
+    for failure in failures:
+        print(f"FAIL: {failure}")
+    print("PASS" if not failures else f"{len(failures)} failure(s); server log: {server.log_path}")
+    if failures:
+        return 1
+    server.remove_files()
+    return 0
+
+
 def percentile(values: list[float], fraction: float) -> float:
     if not values:
         return float("nan")

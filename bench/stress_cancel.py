@@ -23,7 +23,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.live_server import LiveServer, percentile, print_table  # noqa: E402
+from bench.live_server import LiveServer, percentile, print_table, report_verdict  # noqa: E402
 from tests.unit.rawhttp import RawClient, request  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -185,13 +185,7 @@ async def main_async(args) -> int:
         failures.append(f"memory did not come back: {rss_before} -> {rss_after} bytes")
     if exit_code != 0:
         failures.append(f"server exited with {exit_code} on SIGTERM")
-    for failure in failures:
-        print(f"FAIL: {failure}")
-    print("PASS" if not failures else f"{len(failures)} failure(s); server log: {server.log_path}")
-    if failures:
-        return 1
-    server.remove_files()
-    return 0
+    return report_verdict(server, failures)
 
 
 def main() -> int:

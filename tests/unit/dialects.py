@@ -35,19 +35,21 @@ async def post_stream(port: int, path: str, body: dict, headers=()) -> list[tupl
         records = [record async for record in client.read_sse_records()]
     finally:
         await client.aclose()
-    events = []
-    for record in records:
-        if record.startswith(":"):
-            continue
-        name, data = None, []
-        for line in record.split("\n"):
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data.append(line.removeprefix("data: "))
-        text = "\n".join(data)
-        events.append((name, text if text == "[DONE]" else json.loads(text)))
-    return events
+    return [sse_event(record) for record in records if not record.startswith(":")]
+
+
+def sse_event(record: str) -> tuple[str | None, object]:
+    """(event name, parsed data) of one SSE record; `[DONE]` stays a string, a comment's data is None."""
+    name, data = None, []
+    for line in record.split("\n"):
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            data.append(line.removeprefix("data: "))
+    if not data:
+        return name, None
+    text = "\n".join(data)
+    return name, text if text == "[DONE]" else json.loads(text)
 
 
 def merged(signatures: list[str]) -> list[str]:

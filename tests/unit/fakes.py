@@ -5,6 +5,7 @@ make the "model" write reasoning, tool calls or stop strings, split one byte per
 
 Also a launcher for bench/ and subprocess tests:
     python -m tests.unit.fakes CONFIG.toml [--prefill-step-ms MS] [--decode-step-ms MS] [--prefill-chunk N]
+                               [--endless] [--reply TEXT]
 """
 
 from __future__ import annotations
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-step-ms", type=float, default=5.0)
     parser.add_argument("--prefill-chunk", type=int, default=16)
     parser.add_argument("--endless", action="store_true", help="never emit EOS (replies end at max_tokens)")
+    parser.add_argument("--reply", default=REPLY, help="what the fake model writes, e.g. a <tool_call> block")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(config.logging.level, config.logging.format)
     engine = FakeEngine(max_ctx=config.model.max_ctx, prefill_chunk=args.prefill_chunk,
                         prefill_step_s=args.prefill_step_ms / 1000, decode_step_s=args.decode_step_ms / 1000,
-                        endless=args.endless)
+                        reply=args.reply, endless=args.endless)
     trio.run(partial(serve, config, loader=fake_loader(engine)))
     return 0
 

@@ -65,6 +65,8 @@ class RawClient:
             event = await self.next_event()
             if isinstance(event, h11.Response):
                 return event.status_code, {k.decode(): v.decode() for k, v in event.headers}
+            if isinstance(event, h11.ConnectionClosed):  # else the next read returns it again, for ever
+                raise ConnectionError("the server closed the connection before answering")
 
     async def read_body_pieces(self):
         """Yield body bytes as they arrive, until the end of the message."""
