@@ -8,16 +8,18 @@ or its body as one JSON response.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
 from contextlib import aclosing
+from collections.abc import Iterator
 from typing import Any
 
 from dflash import __version__
 from dflash.chat.parser import new_call_id
-from dflash.config import Config
-from dflash.http.routing import CORSPolicy, Router
+from dflash.config import Config, ServerConfig
+from dflash.http.routing import CORSPolicy, HostPolicy, Router, is_loopback_host, offered_key
 from dflash.http.server import Handler, Request, Response, ResponseWriter
 from dflash.http.sse import frame, open_sse_stream
 from dflash.http.websocket import HandshakeRefused, accept_websocket
@@ -31,6 +33,13 @@ from dflash.responses_turn import begin_turn
 from dflash.scheduler import Job, Scheduler
 
 RESPONSES_PATH = "/v1/responses"
+
+
+def exposure_warnings(server: ServerConfig) -> Iterator[str]:
+    """What an operator must hear about at start-up and on `/`."""
+    if not is_loopback_host(server.host) and not server.api_keys:
+        yield (f"listening on {server.host}, reachable from other machines, without api_keys: anyone who "
+               "can connect can use the model")
 
 
 def dialect_of(path: str | None) -> str:
@@ -95,8 +104,17 @@ class API:
             ("POST", RESPONSES_PATH): self.create_response,
             ("GET", RESPONSES_PATH): self.responses_websocket,
         }
+        server = self._config.server
         return _Routes(routes, get_response=self.get_response, error_response=error_response,
-                       api_keys=self._config.server.api_keys, cors=CORSPolicy(self._config.server.cors_origins))
+                       api_keys=server.api_keys, cors=CORSPolicy(server.cors_origins),
+                       hosts=HostPolicy(enforced=is_loopback_host(server.host), allowed_hosts=server.allowed_hosts))
+
+    def _owner(self, request: Request) -> str | None:
+        """Whose stored responses a request may read and continue: those made with the same API
+        key (a digest, not the key). Without api_keys every request is the same owner."""
+        if not self._config.server.api_keys:
+            return None
+        return hashlib.sha256((offered_key(request) or "").encode()).hexdigest()[:32]
 
     # ---- plain endpoints -------------------------------------------------------------------
 
@@ -111,6 +129,7 @@ class API:
             "queue_depth": self._scheduler.queue_depth,
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
             "version": __version__,
+            "warnings": list(exposure_warnings(self._config.server)),
         })
 
     async def models(self, request: Request, writer: ResponseWriter) -> Response:
@@ -132,14 +151,15 @@ class API:
             socket = await accept_websocket(request, writer, max_message_bytes=self._config.server.max_body_bytes)
         except HandshakeRefused as refused:
             raise APIError(refused.status, str(refused)) from None
-        session = ResponsesSocket(self.replies, self.responses, socket, request, keepalive_s=self._keepalive_s,
+        session = ResponsesSocket(self.replies, self.responses, socket, request, owner=self._owner(request),
+                                  keepalive_s=self._keepalive_s,
                                   log_text=self._log_text)
         await session.serve()
         request.log["responses"] = session.responses_served
 
     async def get_response(self, request: Request, writer: ResponseWriter) -> Response:
         response_id = request.path[len(RESPONSES_PATH) + 1:]
-        stored = self.responses.get(response_id)
+        stored = self.responses.get(response_id, owner=self._owner(request))
         if stored is None:
             raise APIError(404, f"no response with id {response_id!r} is stored", param="response_id")
         return Response.json(200, stored.body)
@@ -165,16 +185,18 @@ class API:
         message = anthropic.parse_request(request.body)
         reply = self.replies.prepare(message, call_id=anthropic.new_tool_use_id, request_id=request.id)
         render = anthropic.MessageRender(f"msg_{secrets.token_hex(12)}", message.model or self._model.model_id,
-                                         prompt_tokens=len(reply.prompt.token_ids))
+                                         prompt_tokens=len(reply.prompt.token_ids),
+                                         thinking=message.thinking.enabled is True)
         return await self._answer(request, writer, reply, render)
 
     async def create_response(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "responses"
-        turn = begin_turn(self.responses, responses.parse_request(request.body))
+        owner = self._owner(request)
+        turn = begin_turn(self.responses, responses.parse_request(request.body), owner=owner)
         reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
         render = turn.renderer(self._model.model_id)
         answer = await self._answer(request, writer, reply, render)
-        turn.store(self.responses, render)
+        turn.store(self.responses, render, owner=owner)
         return answer
 
     async def _answer(self, request: Request, writer: ResponseWriter, reply: Reply,

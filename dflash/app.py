@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from dflash import __version__
-from dflash.api import API, error_response
+from dflash.api import API, exposure_warnings, error_response
 from dflash.config import Config
 from dflash.engine import contract
 from dflash.http.server import HTTPServer, Limits
@@ -124,6 +124,8 @@ async def serve(config: Config, *, loader: ModelLoader = load_served_model, hand
             log.info("started", version=__version__, model=model.model_id, source=config.model.source,
                      dtype=config.model.dtype, listening=f"http://{config.server.host}:{port}",
                      config=config_summary(config))
+            for warning in exposure_warnings(config.server):
+                log.warning("exposed", message=warning)
             task_status.started(app)
             await app._shutdown_requested.wait()
             await app._drain()

@@ -72,6 +72,8 @@ class ServerConfig:
     port: int = attrs.field(default=8000, validator=_ints(0, 65535))
     api_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ("*",)
+    # Host names answered besides loopback ones while listening on a loopback address (DNS rebinding).
+    allowed_hosts: tuple[str, ...] = ()
     max_header_bytes: int = attrs.field(default=64 * 1024, validator=_ints(1024))
     max_body_bytes: int = attrs.field(default=32 * MiB, validator=_ints(1))
     header_timeout_s: float = attrs.field(default=30.0, validator=_seconds())

@@ -40,11 +40,12 @@ QUEUED_MAX = 4  # response.create messages waiting behind the running one
 
 class ResponsesSocket:
     def __init__(self, replies: Replies, stored: ResponseStore, socket: WebSocket, upgrade: Request, *,
-                 keepalive_s: float, log_text: bool = False):
+                 owner: str | None, keepalive_s: float, log_text: bool = False):
         self._replies = replies
         self._stored = stored  # the server's store (`store: true` responses, GET /v1/responses/{id})
         self._socket = socket
         self._upgrade = upgrade
+        self._owner = owner  # the handshake's API key digest: whose stored responses it may continue
         self._keepalive_s = keepalive_s
         self._log_text = log_text
         self._chain = ResponseStore(CHAIN_KEPT)
@@ -108,11 +109,11 @@ class ResponsesSocket:
     async def _respond(self, request: Request, body: bytes) -> None:
         parsed = responses.parse_request(body)
         request.log["previous_response_id"] = parsed.previous_response_id
-        turn = begin_turn((self._chain, self._stored), parsed, missing_status=400)
+        turn = begin_turn((self._chain, self._stored), parsed, owner=self._owner, missing_status=400)
         render = turn.renderer(self._replies.model.model_id)
         if fields.boolean(fields.json_object(body), "generate", default=True) is False:
             await self._send(render.opening() + render.finish_without_output())
-            self._chain.put(render.response_id, render.body(), turn.conversation(()))
+            self._chain.put(render.response_id, render.body(), turn.conversation(()), self._owner)
             return
         reply = self._replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
         first_job = await self._replies.submit(reply)  # refusals come before anything is sent
@@ -127,8 +128,8 @@ class ResponsesSocket:
         finally:
             first_job.cancel()
             request.log.update(reply.log_fields(with_text=self._log_text))
-        self._chain.put(render.response_id, render.body(), turn.conversation(render.output_messages()))
-        turn.store(self._stored, render)
+        self._chain.put(render.response_id, render.body(), turn.conversation(render.output_messages()), self._owner)
+        turn.store(self._stored, render, self._owner)
 
     async def _send(self, events) -> None:
         for _, payload in events:

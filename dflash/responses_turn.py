@@ -29,20 +29,20 @@ class ResponsesTurn:
         """What a later turn continues: the earlier turns, this input, this output."""
         return responses.conversation(self.request, self.earlier, output)
 
-    def store(self, store: ResponseStore, render: responses.ResponseRender) -> None:
+    def store(self, store: ResponseStore, render: responses.ResponseRender, owner: str | None = None) -> None:
         """After the reply: keep it for a later turn, if the request allows."""
         if self.request.store:
-            store.put(render.response_id, render.body(), self.conversation(render.output_messages()))
+            store.put(render.response_id, render.body(), self.conversation(render.output_messages()), owner)
 
 
 def begin_turn(stores: ResponseStore | Sequence[ResponseStore], request: responses.ResponsesRequest, *,
-               missing_status: int = 404) -> ResponsesTurn:
+               owner: str | None = None, missing_status: int = 404) -> ResponsesTurn:
     """The request after the conversation it continues, from the first store that has it;
     `missing_status` (code previous_response_not_found) if none does."""
     if request.previous_response_id is None:
         return ResponsesTurn(request)
     stores = (stores,) if isinstance(stores, ResponseStore) else stores
-    previous = next((found for store in stores if (found := store.get(request.previous_response_id))), None)
+    previous = next((found for store in stores if (found := store.get(request.previous_response_id, owner))), None)
     if previous is None:
         raise APIError(missing_status, f"previous response {request.previous_response_id!r} is not stored (it "
                                        "was created with store=false on another connection, or the server "

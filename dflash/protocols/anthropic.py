@@ -222,15 +222,18 @@ class _Block:
 class MessageRender:
     """One message as Anthropic SSE events and, from the same events, as a body."""
 
-    def __init__(self, message_id: str, model: str, *, prompt_tokens: int):
+    def __init__(self, message_id: str, model: str, *, prompt_tokens: int, thinking: bool = False):
         self.message_id = message_id
         self.model = model
         self._prompt_tokens = prompt_tokens
+        self._thinking = thinking  # the request asked for thinking: keep-alives go into a thinking block
         self._blocks: list[_Block] = []
         self._open: _Block | None = None
+        self._started = False
         self._finished: Finished | None = None
 
     def opening(self, index: int = 0) -> list[SSEEvent]:
+        self._started = True
         message = {**self._envelope(), "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self._prompt_tokens, "output_tokens": 0}}
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
@@ -262,7 +265,15 @@ class MessageRender:
         return [("message_stop", {"type": "message_stop"})]
 
     def keepalive(self) -> list[SSEEvent]:
-        return [("ping", {"type": "ping"})]  # Anthropic's own keep-alive event
+        """`ping` while queued; once the message has started, an empty delta of the open text or
+        thinking block (opening one if none is): Claude Code's stream watchdog counts content
+        events only (its SDK drops pings), and aborts after 300 s without one, shorter than the
+        prefill of its own first request on a CPU."""
+        if not self._started or (self._open is not None and self._open.kind == "tool_use"):
+            return [("ping", {"type": "ping"})]
+        if self._open is None:
+            return self.events(ReasoningDelta("") if self._thinking else TextDelta(""))
+        return self.events(ReasoningDelta("") if self._open.kind == "thinking" else TextDelta(""))
 
     def failure(self, error: APIError) -> list[SSEEvent]:
         return [("error", anthropic_error_body(error))]

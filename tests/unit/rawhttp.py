@@ -44,7 +44,8 @@ class RawClient:
         if json_body is not None:
             body = json.dumps(json_body).encode()
             headers = [("content-type", "application/json"), *headers]
-        all_headers = [("host", "127.0.0.1"), *headers]
+        given_host = any(name.lower() == "host" for name, _ in headers)
+        all_headers = [*([] if given_host else [("host", "127.0.0.1")]), *headers]
         if body is not None:
             all_headers.append(("content-length", str(len(body))))
         data = self.h11.send(h11.Request(method=method, target=target, headers=all_headers))

@@ -151,18 +151,31 @@ async def test_engine_work_runs_in_one_dedicated_thread(start_server):
     assert served.engine.threads == {"dflash-engine"}
 
 
-@pytest.mark.parametrize("path, body, keepalive", [
-    ("/v1/messages", {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}, "ping"),
-    ("/v1/responses", {"model": "m", "max_output_tokens": 3, "input": "hi"}, "response.in_progress"),
-])
-async def test_dialects_with_a_keep_alive_event_send_it_during_a_slow_prefill(start_server, path, body, keepalive):
-    """Claude Code and Codex time out on silence; their SDKs may count events, not comments."""
+async def test_responses_streams_repeat_in_progress_during_a_slow_prefill(start_server):
+    """Codex times out on silence; its SSE reader may count events, not comments."""
     engine = FakeEngine(prefill_chunk=100, prefill_step_s=0.5)
     served = await start_server(engine, keepalive_s=0.1)
-    events = await post_stream(served.port, path, body)
+    events = await post_stream(served.port, "/v1/responses", {"model": "m", "max_output_tokens": 3, "input": "hi"})
     names = [name for name, _ in events]
-    first_text = next(i for i, (_, data) in enumerate(events) if "delta" in data)
-    assert names[:first_text].count(keepalive) >= 3, names
-    assert all(data["type"] == name for name, data in events)
-    if path == "/v1/responses":
-        assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    first_text = names.index("response.output_text.delta")
+    assert names[:first_text].count("response.in_progress") >= 3, names
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("thinking, block", [(None, "text"), ({"type": "enabled", "budget_tokens": 1024}, "thinking")])
+async def test_anthropic_streams_send_empty_content_deltas_during_a_slow_prefill(start_server, thinking, block):
+    """Claude Code's stream watchdog counts content events only (its SDK drops `ping`) and gives
+    up after 300 s: a long prefill gets empty deltas of a block that the reply then continues."""
+    engine = FakeEngine(prefill_chunk=100, prefill_step_s=0.5)
+    served = await start_server(engine, keepalive_s=0.1)
+    body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}],
+            **({"thinking": thinking} if thinking else {})}
+    events = await post_stream(served.port, "/v1/messages", body)
+    empty_deltas = [data for name, data in events if name == "content_block_delta"
+                    and data["delta"].get("text", data["delta"].get("thinking")) == ""]
+    assert len(empty_deltas) >= 3 and all(delta["index"] == 0 for delta in empty_deltas)
+    starts = [data["content_block"]["type"] for name, data in events if name == "content_block_start"]
+    assert starts[0] == block
+    text = "".join(data["delta"].get("text", "") for name, data in events if name == "content_block_delta")
+    assert text == "Hel"  # the reply itself is unchanged
+    assert [name for name, _ in events][-2:] == ["message_delta", "message_stop"]
