@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash.engine.cpu import cpu_kind, has_native_bf16
 from dflash.engine.kv import KVCache
 
 SUPPORTED_ARCHITECTURES = {
@@ -86,6 +87,43 @@ class UnsupportedArchitecture(ValueError):
         super().__init__(
             f"unsupported model architecture {list(names)!r}; the built-in decoder supports {supported}"
         )
+
+
+ROPE_SCALING_MODES = ("auto", "none", "yarn", "linear")
+
+
+def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor: float = 0.0) -> ModelArgs:
+    """`args` with the RoPE scaling that serves `max_ctx` positions.
+
+    "auto" keeps a scaling the model's config declares (it was trained or tuned with it) and
+    otherwise takes YaRN once `max_ctx` exceeds the trained context (see README, Numbers: perplexity
+    past the trained context); "none" is plain RoPE, extrapolated past the trained context; "yarn"
+    and "linear" replace whatever the config declares. `factor` 0 means max_ctx / trained context.
+    """
+    if mode not in ROPE_SCALING_MODES:
+        raise ValueError(f"unknown rope_scaling {mode!r}; expected one of {', '.join(ROPE_SCALING_MODES)}")
+    declared = args.rope_scaling or {}
+    if mode == "auto":
+        if declared or max_ctx <= args.max_position_embeddings:
+            return args
+        mode = "yarn"
+    if mode == "none":
+        return attrs.evolve(args, rope_scaling=None)
+    trained = declared.get("original_max_position_embeddings") or args.max_position_embeddings
+    factor = factor or max(1.0, max_ctx / trained)
+    scaling: dict[str, Any] = {"rope_type": mode, "factor": float(factor)}
+    if mode == "yarn":
+        scaling["original_max_position_embeddings"] = trained
+    return attrs.evolve(args, rope_scaling=scaling)
+
+
+def kv_dtype_for(dtype: torch.dtype, device: torch.device, kind: str) -> torch.dtype:
+    """Keys and values stay in the model's dtype, except a half-precision model on a CPU without
+    bf16 arithmetic (`kind` from dflash.engine.cpu): there bf16 attention measured 4x slower than
+    fp32, and bf16 keys/values are exact in fp32, so only memory grows."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return dtype if dtype == torch.bfloat16 and has_native_bf16(kind) else torch.float32
+    return dtype
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
@@ -312,17 +350,14 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_kv_cache(self, max_ctx: int) -> KVCache:
+    def new_kv_cache(self, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache of `max_ctx` positions in `dtype` (default: `kv_dtype`, the one chosen for this CPU)."""
         a = self.args
-        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.kv_dtype, self.device, self.dtype)
+        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, dtype or self.kv_dtype, self.device, self.dtype)
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        # On CPU, attention runs in fp32: AVX2 has no bf16 arithmetic and bf16 SDPA measured 4x
-        # slower. bf16 keys/values are exact in fp32, so nothing changes but speed.
-        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
-            return torch.float32
-        return self.dtype
+        return kv_dtype_for(self.dtype, self.device, cpu_kind())
 
     def _rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
         if self._rope_cache is None or self._rope_cache[0].shape[0] < max_ctx:
