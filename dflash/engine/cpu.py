@@ -37,5 +37,5 @@ def cpu_kind() -> str:
     return kind_from_flags(frozenset(next(flag_lines, "").split()))
 
 
-def has_native_bf16(kind: str | None = None) -> bool:
-    return (cpu_kind() if kind is None else kind) in NATIVE_BF16_KINDS
+def has_native_bf16(kind: str) -> bool:
+    return kind in NATIVE_BF16_KINDS
