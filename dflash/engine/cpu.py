@@ -1,5 +1,5 @@
-"""What arithmetic this CPU does natively, read once: kernel and dtype choices follow it, and every
-bench prints it next to its numbers (an AVX2 machine and an AMX machine rank kernels differently).
+"""What arithmetic this CPU does natively, read once: the start-up log and every bench print it
+next to their numbers (an AVX2 machine and an AMX machine rank kernels differently).
 """
 
 from __future__ import annotations
@@ -8,10 +8,6 @@ import functools
 from pathlib import Path
 
 import torch
-
-# Kinds that multiply bf16 in hardware (AVX512-BF16 dot products, AMX tiles); the others convert
-# bf16 to fp32 lane by lane, so bf16 only saves memory there.
-NATIVE_BF16_KINDS = frozenset({"AMX", "AVX512-BF16"})
 
 
 def kind_from_flags(flags: frozenset[str]) -> str:
@@ -31,11 +27,7 @@ def kind_from_flags(flags: frozenset[str]) -> str:
 def cpu_kind() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: torch's dispatch level cannot tell bf16 support, so claim none
+    except OSError:  # not Linux: torch's dispatch level (it cannot tell bf16 support)
         return torch.backends.cpu.get_cpu_capability()
     flag_lines = (line.split(":", 1)[1] for line in text.splitlines() if line.startswith("flags"))
     return kind_from_flags(frozenset(next(flag_lines, "").split()))
-
-
-def has_native_bf16(kind: str) -> bool:
-    return kind in NATIVE_BF16_KINDS

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.engine.cpu import cpu_kind, has_native_bf16
 from dflash.engine.kv import KVCache
 
 SUPPORTED_ARCHITECTURES = {
@@ -117,14 +116,15 @@ def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor:
     return attrs.evolve(args, rope_scaling=scaling)
 
 
-def kv_dtype_for(dtype: torch.dtype, device: torch.device, kind: str) -> torch.dtype:
-    """Keys and values stay in the model's dtype, except a half-precision model on a CPU without
-    bf16 arithmetic (`kind` from dflash.engine.cpu): there bf16 attention measured 4x slower than
-    fp32, and bf16 keys/values are exact in fp32, so only memory grows. With bf16 arithmetic (AMX)
-    bf16 keys/values prefilled 1.2-1.9x faster at 1K-32K of context, decoded as fast and take half
-    the memory (README, Numbers)."""
+def kv_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Keys and values stay in the model's dtype, except a half-precision model on CPU: there they
+    are fp32. On AVX2 (no bf16 arithmetic) bf16 attention measured 4x slower. On AMX bf16
+    keys/values prefilled 1.2-1.9x faster at 1K-32K of context and decoded as fast (README, Numbers),
+    but bf16 attention rounds its probabilities to bf16 in blocks that depend on how a prompt was
+    chunked, so the same prompt then got different greedy replies with the prefix caches on and
+    off; in fp32 they agree. bf16 keys/values are exact in fp32, so only memory grows."""
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return dtype if dtype == torch.bfloat16 and has_native_bf16(kind) else torch.float32
+        return torch.float32
     return dtype
 
 
@@ -359,7 +359,7 @@ class Transformer(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return kv_dtype_for(self.dtype, self.device, cpu_kind())
+        return kv_dtype_for(self.dtype, self.device)
 
     def _rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
         if self._rope_cache is None or self._rope_cache[0].shape[0] < max_ctx:

@@ -1,11 +1,10 @@
 """A context longer than the trained one: RoPE scaling equal to transformers', and the KV dtype
-chosen for the CPU (bf16 where it computes bf16 natively) with speculation still lossless."""
+(fp32 on CPU for a bf16 model) followed, with speculation still lossless."""
 
 import pytest
 import torch
 import transformers
 
-from dflash.engine import model as model_module
 from dflash.engine.cpu import kind_from_flags
 from dflash.engine.generate import Engine
 from dflash.engine.model import ModelArgs, build_transformer, kv_dtype_for, with_rope_scaling
@@ -68,28 +67,24 @@ def test_cpu_kind_from_flags(flags, kind):
     assert kind_from_flags(frozenset(flags)) == kind
 
 
-@pytest.mark.parametrize("dtype, kind, expected", [
-    (torch.bfloat16, "AMX", torch.bfloat16),
-    (torch.bfloat16, "AVX512-BF16", torch.bfloat16),
-    (torch.bfloat16, "AVX512", torch.float32),
-    (torch.bfloat16, "AVX2", torch.float32),
-    (torch.float16, "AMX", torch.float32),
-    (torch.float32, "AMX", torch.float32),
+@pytest.mark.parametrize("dtype, device, expected", [
+    (torch.bfloat16, "cpu", torch.float32),
+    (torch.float16, "cpu", torch.float32),
+    (torch.float32, "cpu", torch.float32),
+    (torch.bfloat16, "cuda", torch.bfloat16),
 ])
-def test_kv_dtype_follows_the_cpu(dtype, kind, expected):
-    assert kv_dtype_for(dtype, torch.device("cpu"), kind) == expected
+def test_kv_dtype_policy(dtype, device, expected):
+    assert kv_dtype_for(dtype, torch.device(device)) == expected
 
 
-@pytest.mark.parametrize("kind", ["AMX", "AVX2"])
-def test_greedy_speculation_equals_plain_greedy_with_the_kv_dtype_of_each_cpu_kind(monkeypatch, kind):
-    monkeypatch.setattr(model_module, "cpu_kind", lambda: kind)
+def test_a_bf16_model_keeps_fp32_keys_and_values_and_speculation_stays_lossless():
     target = ours_from_hf(tiny_hf_model("llama"), torch.bfloat16)
     ngram = SpeculationConfig(drafter="ngram", max_draft_tokens=4, ngram_min=1, ngram_max=3, adaptive=False)
     prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2]
     outputs = []
     for speculation in (SpeculationConfig(), ngram):
         engine = Engine(target, max_ctx=128, prefill_chunk=8, speculation=speculation)
-        assert engine.kv.keys.dtype == kv_dtype_for(torch.bfloat16, torch.device("cpu"), kind)
+        assert engine.kv.keys.dtype == target.kv_dtype == torch.float32
         generation = engine.start(prompt, SamplingParams(), max_tokens=24)
         outputs.append(generation.run())
     assert outputs[0] == outputs[1]
