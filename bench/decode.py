@@ -4,6 +4,14 @@ Prints one table: prefill tok/s and decode tok/s for our decoder and transformer
 and bf16), the ratio, and the decode limit implied by weight bytes / measured memory read bandwidth.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/decode.py [--threads 2] [--tokens 128]
+
+With `--contexts 1024,8192,16384,32768` it prints instead our speed at those depths of context, for
+each KV dtype in `--kv-dtypes` ("auto" = the one the engine picks for this CPU): one 256-token
+prefill chunk and `--tokens` plain greedy decode steps, each attending to the whole context. The
+context is filled cheaply and honestly for speed: 1024 tokens of real text (the standard library's
+argparse.py) are prefilled once and their keys/values tiled to the depth; attention reads every row whatever it
+holds, so a step costs what it costs after a real prefill of that length (the tokens it produces
+are not meaningful).
 """
 
 from __future__ import annotations
@@ -11,12 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
 from dflash.chat.template import render_prompt  # noqa: E402
+from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 
@@ -62,6 +72,64 @@ def ours(source, dtype, tokens, threads):
     return len(prompt_ids) / (s.prefill_ms / 1000), (tokens - 1) / (s.decode_ms / 1000), loaded, prompt_ids
 
 
+FILL_TOKENS = 1024
+CHUNK_TOKENS = 256
+
+
+def filled_to(engine, filler: list[int], depth: int) -> None:
+    """Make the engine hold `depth` committed tokens: `filler` prefilled, its keys/values tiled."""
+    prefilled = filler[:depth]
+    engine.rollback(0)
+    for start in range(0, len(prefilled), CHUNK_TOKENS):
+        engine.forward(prefilled[start : start + CHUNK_TOKENS])
+    kv = engine.kv
+    for start in range(len(prefilled), depth, len(prefilled)):
+        end = min(start + len(prefilled), depth)
+        kv.keys[:, :, start:end] = kv.keys[:, :, : end - start]
+        kv.values[:, :, start:end] = kv.values[:, :, : end - start]
+    kv.length = depth
+    engine.committed = (prefilled * (depth // len(prefilled) + 1))[:depth]
+
+
+def speed_at_contexts(source, dtype, kv_dtypes, contexts, tokens, threads):
+    """Rows (KV dtype, context, chunk prefill tok/s, decode tok/s) at each depth of context."""
+    max_ctx = max(contexts) + CHUNK_TOKENS + tokens + 1
+    loaded = load_model(source, dtype=dtype, max_ctx=max_ctx, prefill_chunk=CHUNK_TOKENS, threads=threads)
+    engine = loaded.engine
+    engine.eos_token_ids = frozenset()  # decode exactly `tokens` tokens
+    text = loaded.tokenizer(Path(argparse.__file__).read_text())["input_ids"]
+    filler, chunk = text[:FILL_TOKENS], text[FILL_TOKENS : FILL_TOKENS + CHUNK_TOKENS]
+    rows = []
+    for kv_name in kv_dtypes:
+        kv_dtype = engine.model.kv_dtype if kv_name == "auto" else getattr(torch, kv_name)
+        engine.kv = None  # free the previous cache before allocating the next
+        engine.kv = engine.model.new_kv_cache(max_ctx, kv_dtype)
+        engine.rollback(0)
+        engine.start(filler[:16], SamplingParams(), max_tokens=4).run()  # warm-up
+        for depth in contexts:
+            filled_to(engine, filler, depth)
+            generation = engine.start(engine.committed + chunk, SamplingParams(), max_tokens=tokens)
+            generation.run()
+            s = generation.stats
+            label = f"{str(kv_dtype).removeprefix('torch.')}{' (auto)' if kv_name == 'auto' else ''}"
+            rows.append((label, depth, s.prefilled_tokens / (s.prefill_ms / 1000), (tokens - 1) / (s.decode_ms / 1000)))
+    return rows
+
+
+def print_context_table(args) -> None:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    kind = cpu_kind()
+    print(f"\ncpu={kind}  threads={args.threads}  decode tokens={args.tokens}  torch {torch.__version__}")
+    header = ("cpu", "dtype", "KV dtype", "context", f"prefill ({CHUNK_TOKENS}-token chunk)", "decode")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for dtype in args.dtypes.split(","):
+        for kv_dtype, depth, prefill, decode in speed_at_contexts(
+            args.model, dtype, args.kv_dtypes.split(","), contexts, args.tokens, args.threads
+        ):
+            print(f"| {kind} | {dtype} | {kv_dtype} | {depth} | {prefill:.0f} tok/s | {decode:.1f} tok/s |", flush=True)
+
+
 def transformers_speed(folder, dtype, prompt_ids, tokens):
     from transformers import AutoModelForCausalLM
 
@@ -84,8 +152,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--contexts", default="", help="e.g. 1024,8192,16384,32768: speed at these depths instead")
+    parser.add_argument("--kv-dtypes", default="auto", help="with --contexts: auto, float32, bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.contexts:
+        print_context_table(args)
+        return
     bandwidth = read_bandwidth_gbs()
     rows = []
     for dtype in args.dtypes.split(","):
@@ -94,7 +167,7 @@ def main() -> None:
         hf_prefill, hf_decode = transformers_speed(loaded.folder, dtype, prompt_ids, args.tokens)
         limit = bandwidth * 1e9 / decode_weight_bytes(loaded.engine.model)
         rows.append((dtype, len(prompt_ids), our_prefill, hf_prefill, our_decode, hf_decode, limit))
-    print(f"\nthreads={args.threads}  decode tokens={args.tokens}  read bandwidth={bandwidth:.1f} GB/s  torch {torch.__version__}")
+    print(f"\ncpu={cpu_kind()}  threads={args.threads}  decode tokens={args.tokens}  read bandwidth={bandwidth:.1f} GB/s  torch {torch.__version__}")
     header = ("dtype", "prompt", "prefill ours", "prefill hf", "decode ours", "decode hf", "ours/hf", "limit", "% of limit")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

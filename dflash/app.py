@@ -45,6 +45,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
     config, spec, cache = full_config.model, full_config.speculative, full_config.cache
     loaded = load_engine_model(
         config.source, dtype=config.dtype, max_ctx=config.max_ctx, threads=config.threads,
+        rope_scaling=config.rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
         prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir),
         speculation=SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens,
                                       ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, adaptive=spec.adaptive),

@@ -62,6 +62,11 @@ def _ints(low: int, high: int | None = None):
     return _number_range("an integer", low, high)
 
 
+def _zero_or_at_least_one(instance, attribute, value):
+    if value != 0 and value < 1:
+        raise _Invalid(value, "0 (derived) or a number >= 1", key=attribute.name)
+
+
 def _seconds(low: float = 0.0):
     return _number_range("a number of seconds", low, low_inclusive=False)
 
@@ -88,7 +93,11 @@ class ServerConfig:
 class ModelConfig:
     source: str = "embedded:smollm2-135m-instruct"
     dtype: str = attrs.field(default="bfloat16", validator=_one_of("bfloat16", "float32"))
-    max_ctx: int = attrs.field(default=8192, validator=_ints(16))
+    # Past the model's trained context (8192 for the embedded model) positions use RoPE scaling.
+    max_ctx: int = attrs.field(default=32768, validator=_ints(16))
+    rope_scaling: str = attrs.field(default="auto", validator=_one_of("auto", "none", "yarn", "linear"))
+    # 0 = max_ctx / the trained context.
+    rope_scaling_factor: float = attrs.field(default=0.0, validator=_zero_or_at_least_one)
     threads: int = attrs.field(default=2, validator=_ints(1))
     prefill_chunk: int = attrs.field(default=256, validator=_ints(1))
     cache_dir: str = "~/.cache/dflash"

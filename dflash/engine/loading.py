@@ -26,7 +26,8 @@ from dflash.engine.generate import Engine
 from dflash.engine.grammar import GrammarTokenizer
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.speculative import SpeculationConfig
-from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer
+from dflash.engine.cpu import cpu_kind
+from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer, with_rope_scaling
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 # DFlash drafters that ship with the package, for the embedded models (`dflash train-drafter`).
@@ -57,7 +58,9 @@ def load_model(
     source: str = EMBEDDED_DEFAULT,
     *,
     dtype: str = "bfloat16",
-    max_ctx: int = 8192,
+    max_ctx: int = 32768,
+    rope_scaling: str = "auto",
+    rope_scaling_factor: float = 0.0,
     threads: int = 1,
     prefill_chunk: int = 256,
     cache_dir: str | os.PathLike | None = None,
@@ -85,15 +88,25 @@ def load_model(
     eos_ids = eos_token_ids(folder, config, tokenizer)
     if native:
         args = ModelArgs.from_hf_config(config)
+        if max_ctx <= 0:
+            max_ctx = args.max_position_embeddings
+        args = with_rope_scaling(args, max_ctx, rope_scaling, rope_scaling_factor)
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
         backend = "native"
+        log.info("context", max_ctx=max_ctx, trained_context=args.max_position_embeddings,
+                 rope_scaling=args.rope_scaling, kv_dtype=str(model.kv_dtype).removeprefix("torch."), cpu=cpu_kind())
     else:
         from dflash.engine.hf_backend import load_hf_model
 
         model = load_hf_model(folder, DTYPES[dtype])
         backend = "transformers"
-    if max_ctx <= 0:
-        max_ctx = model.args.max_position_embeddings
+        if max_ctx <= 0:
+            max_ctx = model.args.max_position_embeddings
+        if rope_scaling not in ("auto", "none"):
+            raise ModelLoadError(f"rope_scaling {rope_scaling!r} needs the built-in decoder; this model runs on transformers")
+        if max_ctx > model.args.max_position_embeddings:
+            log.warning("context_past_trained_length", max_ctx=max_ctx, trained_context=model.args.max_position_embeddings,
+                        note="the transformers backend applies only the RoPE scaling the model's config declares")
     drafter = None
     draft_model = resolve_draft_model(draft_model, source)
     if draft_model and speculation.drafter in ("auto", "dflash"):
@@ -118,7 +131,8 @@ def load_model(
         agent_turn_replay=agent_turn_cache,
         reuse_live_state=reuse_live_state,
         disk_cache=(
-            DiskCache(disk_cache_dir, disk_cache_mib << 20, model_identity(folder, dtype, max_ctx, tokenizer, draft_model))
+            DiskCache(disk_cache_dir, disk_cache_mib << 20,
+                      model_identity(folder, dtype, max_ctx, model.args.rope_scaling, tokenizer, draft_model))
             if disk_cache_dir and backend == "native"
             else None
         ),
@@ -140,14 +154,17 @@ def weights_fingerprint(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def model_identity(folder: Path, dtype: str, max_ctx: int, tokenizer, draft_model) -> dict[str, Any]:
-    """What a disk snapshot must match to be served: weights, dtype, context size, chat template."""
+def model_identity(folder: Path, dtype: str, max_ctx: int, rope_scaling: dict[str, Any] | None, tokenizer,
+                   draft_model) -> dict[str, Any]:
+    """What a disk snapshot must match to be served: weights, dtype, context size and the RoPE
+    scaling that rotated its keys, chat template."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
     return {
         "weights": weights_fingerprint(folder),
         "draft": weights_fingerprint(Path(draft_model).expanduser()) if draft_model else None,
         "dtype": dtype,
         "max_ctx": max_ctx,
+        "rope_scaling": rope_scaling,
         "template": hashlib.sha256((template or "").encode()).hexdigest(),
     }
 

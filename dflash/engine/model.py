@@ -88,6 +88,46 @@ class UnsupportedArchitecture(ValueError):
         )
 
 
+ROPE_SCALING_MODES = ("auto", "none", "yarn", "linear")
+
+
+def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor: float = 0.0) -> ModelArgs:
+    """`args` with the RoPE scaling that serves `max_ctx` positions.
+
+    "auto" keeps a scaling the model's config declares (it was trained or tuned with it) and
+    otherwise takes YaRN once `max_ctx` exceeds the trained context (see README, Numbers: perplexity
+    past the trained context); "none" is plain RoPE, extrapolated past the trained context; "yarn"
+    and "linear" replace whatever the config declares. `factor` 0 means max_ctx / trained context.
+    """
+    if mode not in ROPE_SCALING_MODES:
+        raise ValueError(f"unknown rope_scaling {mode!r}; expected one of {', '.join(ROPE_SCALING_MODES)}")
+    declared = args.rope_scaling or {}
+    if mode == "auto":
+        if declared or max_ctx <= args.max_position_embeddings:
+            return args
+        mode = "yarn"
+    if mode == "none":
+        return attrs.evolve(args, rope_scaling=None)
+    trained = declared.get("original_max_position_embeddings") or args.max_position_embeddings
+    factor = factor or max(1.0, max_ctx / trained)
+    scaling: dict[str, Any] = {"rope_type": mode, "factor": float(factor)}
+    if mode == "yarn":
+        scaling["original_max_position_embeddings"] = trained
+    return attrs.evolve(args, rope_scaling=scaling)
+
+
+def kv_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Keys and values stay in the model's dtype, except a half-precision model on CPU: there they
+    are fp32. On AVX2 (no bf16 arithmetic) bf16 attention measured 4x slower. On AMX bf16
+    keys/values prefilled 1.2-1.9x faster at 1K-32K of context and decoded as fast (README, Numbers),
+    but bf16 attention rounds its probabilities to bf16 in blocks that depend on how a prompt was
+    chunked, so the same prompt then got different greedy replies with the prefix caches on and
+    off; in fp32 they agree. bf16 keys/values are exact in fp32, so only memory grows."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
 def rope_inverse_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
     """Inverse frequencies [D/2] and the attention scaling factor (yarn's mscale, else 1)."""
     dim = args.head_dim
@@ -312,17 +352,14 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_kv_cache(self, max_ctx: int) -> KVCache:
+    def new_kv_cache(self, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache of `max_ctx` positions in `dtype` (default: `kv_dtype`, the one chosen for this CPU)."""
         a = self.args
-        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.kv_dtype, self.device, self.dtype)
+        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, dtype or self.kv_dtype, self.device, self.dtype)
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        # On CPU, attention runs in fp32: AVX2 has no bf16 arithmetic and bf16 SDPA measured 4x
-        # slower. bf16 keys/values are exact in fp32, so nothing changes but speed.
-        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
-            return torch.float32
-        return self.dtype
+        return kv_dtype_for(self.dtype, self.device)
 
     def _rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
         if self._rope_cache is None or self._rope_cache[0].shape[0] < max_ctx:

@@ -29,6 +29,7 @@ def test_empty_file_gives_the_defaults():
     assert config.server.max_body_bytes == 32 * 1024 * 1024
     assert config.server.keepalive_s == 15.0
     assert config.model.source == "embedded:smollm2-135m-instruct"
+    assert (config.model.max_ctx, config.model.rope_scaling, config.model.rope_scaling_factor) == (32768, "auto", 0.0)
     assert config.logging.format == "json"
 
 
@@ -47,6 +48,9 @@ def test_the_example_documents_exactly_the_defaults():
     ({"server": {"queue_max": -1}}, "server.queue_max: expected an integer >= 0, got -1"),
     ({"model": {"dtype": "fp8"}}, "model.dtype: expected one of 'bfloat16', 'float32', got 'fp8'"),
     ({"model": {"max_ctx": 1.5}}, "model.max_ctx: expected an integer, got 1.5"),
+    ({"model": {"rope_scaling": "ntk"}}, "model.rope_scaling: expected one of 'auto', 'none', 'yarn', 'linear', got 'ntk'"),
+    ({"model": {"rope_scaling": 4}}, "model.rope_scaling: expected a string, got 4"),
+    ({"model": {"rope_scaling_factor": 0.5}}, "model.rope_scaling_factor: expected 0 (derived) or a number >= 1, got 0.5"),
     ({"logging": {"format": "xml"}}, "logging.format: expected one of 'json', 'console', got 'xml'"),
     ({"logging": {"log_text": 1}}, "logging.log_text: expected true or false, got 1"),
     ({"server": 5}, "server: expected a table ([server]), got 5"),

@@ -1,0 +1,91 @@
+"""A context longer than the trained one: RoPE scaling equal to transformers', and the KV dtype
+(fp32 on CPU for a bf16 model) followed, with speculation still lossless."""
+
+import pytest
+import torch
+import transformers
+
+from dflash.engine.cpu import kind_from_flags
+from dflash.engine.generate import Engine
+from dflash.engine.model import ModelArgs, build_transformer, kv_dtype_for, with_rope_scaling
+from dflash.engine.sampling import SamplingParams
+from dflash.engine.speculative import SpeculationConfig
+from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+TRAINED = 256  # tiny.py's max_position_embeddings
+MAX_CTX = 4 * TRAINED
+ATOL = 1e-4
+
+
+def hf_with_rope(hf_model, rope_parameters):
+    """The same weights in transformers, with the given RoPE scaling over MAX_CTX positions."""
+    config = transformers.LlamaConfig(**{**hf_model.config.to_dict(), "max_position_embeddings": MAX_CTX,
+                                         "rope_parameters": {"rope_theta": 10000.0, **rope_parameters}})
+    scaled = transformers.LlamaForCausalLM(config).eval()
+    scaled.load_state_dict(hf_model.state_dict())
+    return scaled
+
+
+@pytest.mark.parametrize("mode, rope_parameters", [
+    ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}),
+    ("linear", {"rope_type": "linear", "factor": 4.0}),
+])
+def test_scaled_rope_matches_transformers_past_the_trained_context(mode, rope_parameters):
+    hf = tiny_hf_model("llama")
+    args = with_rope_scaling(ModelArgs.from_hf_config(hf.config.to_dict()), MAX_CTX, mode)
+    assert args.rope_scaling == rope_parameters
+    ours = build_transformer(args, hf.state_dict(), torch.float32)
+    ids = torch.randint(0, 128, (3 * TRAINED,), generator=torch.Generator().manual_seed(1))
+    kv = ours.new_kv_cache(MAX_CTX)
+    ours(ids[:-16], 0, kv)
+    logits, _ = ours(ids[-16:], len(ids) - 16, kv, logits_positions=None)  # positions ~2.9x the trained context
+    with torch.no_grad():
+        reference = hf_with_rope(hf, rope_parameters)(ids[None]).logits[0, -16:]
+    torch.testing.assert_close(logits, reference, atol=ATOL, rtol=0)
+
+
+def test_auto_scaling_is_yarn_past_the_trained_context_and_keeps_a_declared_scaling():
+    plain = ModelArgs.from_hf_config(tiny_hf_model("llama").config.to_dict())
+    assert with_rope_scaling(plain, TRAINED, "auto") == plain
+    assert with_rope_scaling(plain, MAX_CTX, "auto").rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}
+    assert with_rope_scaling(plain, MAX_CTX, "linear", factor=2.0).rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    declared = ModelArgs.from_hf_config(tiny_hf_model("llama3-rope").config.to_dict())
+    assert with_rope_scaling(declared, MAX_CTX, "auto") == declared
+    assert with_rope_scaling(declared, MAX_CTX, "none").rope_scaling is None
+    with pytest.raises(ValueError, match="unknown rope_scaling 'ntk'"):
+        with_rope_scaling(plain, MAX_CTX, "ntk")
+
+
+@pytest.mark.parametrize("flags, kind", [
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, "AMX"),
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX512-BF16"),
+    ({"avx2", "avx512f"}, "AVX512"),
+    ({"avx2", "fma"}, "AVX2"),
+])
+def test_cpu_kind_from_flags(flags, kind):
+    assert kind_from_flags(frozenset(flags)) == kind
+
+
+@pytest.mark.parametrize("dtype, device, expected", [
+    (torch.bfloat16, "cpu", torch.float32),
+    (torch.float16, "cpu", torch.float32),
+    (torch.float32, "cpu", torch.float32),
+    (torch.bfloat16, "cuda", torch.bfloat16),
+])
+def test_kv_dtype_policy(dtype, device, expected):
+    assert kv_dtype_for(dtype, torch.device(device)) == expected
+
+
+def test_a_bf16_model_keeps_fp32_keys_and_values_and_speculation_stays_lossless():
+    target = ours_from_hf(tiny_hf_model("llama"), torch.bfloat16)
+    ngram = SpeculationConfig(drafter="ngram", max_draft_tokens=4, ngram_min=1, ngram_max=3, adaptive=False)
+    prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2]
+    outputs = []
+    for speculation in (SpeculationConfig(), ngram):
+        engine = Engine(target, max_ctx=128, prefill_chunk=8, speculation=speculation)
+        assert engine.kv.keys.dtype == target.kv_dtype == torch.float32
+        generation = engine.start(prompt, SamplingParams(), max_tokens=24)
+        outputs.append(generation.run())
+    assert outputs[0] == outputs[1]
+    assert generation.stats.verification_steps > 0
