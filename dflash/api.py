@@ -228,6 +228,8 @@ class API:
         parsed = responses.parse_request(request.body)
         earlier: tuple = ()
         if parsed.previous_response_id is not None:
+            # Operators (and the real-client tests) see which turns continued a stored one.
+            request.log["previous_response_id"] = parsed.previous_response_id
             previous = self.responses.get(parsed.previous_response_id)
             if previous is None:
                 raise APIError(404, f"previous response {parsed.previous_response_id!r} is not stored (it was "
