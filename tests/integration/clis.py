@@ -112,9 +112,12 @@ def clean_env(home: Path, **settings: str) -> dict[str, str]:
 # ---- Claude Code ------------------------------------------------------------------------------
 
 def claude_code_env(home: Path, base_url: str) -> dict[str, str]:
+    # No retries and no non-streaming second try: a failure is the test's answer, and each try of a
+    # long prompt on the CPU costs minutes.
     return clean_env(home, ANTHROPIC_BASE_URL=base_url, ANTHROPIC_API_KEY=API_KEY,
                      CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
-                     DISABLE_ERROR_REPORTING="1")
+                     DISABLE_ERROR_REPORTING="1", CLAUDE_CODE_MAX_RETRIES="0",
+                     CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK="1")
 
 
 def claude_code_command(executable: Path, prompt: str, model: str, allowed_tools: tuple[str, ...] = ()) -> list[str]:

@@ -55,9 +55,17 @@ def default_server(tmp_path_factory) -> DefaultServer:
         yield DefaultServer(started["listening"], started["model"], folder / "server.log")
 
 
-def run_codex(codex: Path, tmp_path: Path, server: DefaultServer, *, websockets: bool):
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """The folder every CLI here works in: the CLIs write it into their prompts, so with one folder
+    the second Codex run's prompt is the first one's, which the server's prompt cache holds (a
+    9K-token prefill saved)."""
+    return tmp_path_factory.mktemp("workspace")
+
+
+def run_codex(codex: Path, tmp_path: Path, workspace: Path, server: DefaultServer, *, websockets: bool):
     codex_home = write_codex_home(tmp_path / "codex-home", f"{server.base_url}/v1", server.model, websockets=websockets)
-    return run_cli(codex_command(codex, TASK), cwd=tmp_path, env=codex_env(tmp_path / "home", codex_home),
+    return run_cli(codex_command(codex, TASK), cwd=workspace, env=codex_env(tmp_path / "home", codex_home),
                    timeout_s=CODEX_TIMEOUT_S)
 
 
@@ -70,14 +78,14 @@ def check_codex_answer(done: subprocess.CompletedProcess) -> None:
 
 
 @SHORT_CONTEXT
-def test_codex_answers_with_the_embedded_model(codex, tmp_path, default_server):
-    check_codex_answer(run_codex(codex, tmp_path, default_server, websockets=False))
+def test_codex_answers_with_the_embedded_model(codex, tmp_path, workspace, default_server):
+    check_codex_answer(run_codex(codex, tmp_path, workspace, default_server, websockets=False))
 
 
 @pytest.mark.xfail(strict=True, reason="WebSocket transport not implemented yet")
-def test_codex_over_websocket_answers_with_the_embedded_model(codex, tmp_path, default_server):
+def test_codex_over_websocket_answers_with_the_embedded_model(codex, tmp_path, workspace, default_server):
     seen_before = len(default_server.requests())
-    done = run_codex(codex, tmp_path, default_server, websockets=True)
+    done = run_codex(codex, tmp_path, workspace, default_server, websockets=True)
     check_codex_answer(done)
     assert "Falling back" not in done.stdout + done.stderr, outcome(done)
     # Today's server answers the upgrade with 426, and Codex quietly posts over HTTP instead.
@@ -86,8 +94,8 @@ def test_codex_over_websocket_answers_with_the_embedded_model(codex, tmp_path, d
 
 
 @SHORT_CONTEXT
-def test_claude_code_answers_with_the_embedded_model(claude_code, tmp_path, default_server):
-    done = run_cli(claude_code_command(claude_code, TASK, default_server.model), cwd=tmp_path,
+def test_claude_code_answers_with_the_embedded_model(claude_code, tmp_path, workspace, default_server):
+    done = run_cli(claude_code_command(claude_code, TASK, default_server.model), cwd=workspace,
                    env=claude_code_env(tmp_path / "home", default_server.base_url), timeout_s=CLAUDE_CODE_TIMEOUT_S)
     assert done.returncode == 0, outcome(done)
     result = json.loads(done.stdout)
