@@ -21,10 +21,10 @@ from tests.integration.conftest import ROOT, running_server
 
 TASK = "Say hello in one word."
 CODEX_TIMEOUT_S = 600
-CLAUDE_CODE_TIMEOUT_S = 1200
+CLAUDE_CODE_TIMEOUT_S = 900
 SHORT_CONTEXT = pytest.mark.xfail(
-    strict=False, reason="the default max_ctx (8192) is shorter than the CLI's first request "
-                         "(Codex ~9.2K tokens, Claude Code ~20K); passes once 32768 is the default")
+    strict=False, reason="the default max_ctx (8192) is shorter than Codex's first request (~9.2K tokens); "
+                         "passes once 32768 is the default")
 
 
 def default_config(disk_dir: Path) -> str:
@@ -93,7 +93,9 @@ def test_codex_over_websocket_answers_with_the_embedded_model(codex, tmp_path, w
     assert posted == [], outcome(done)
 
 
-@SHORT_CONTEXT
+@pytest.mark.xfail(strict=False, reason="the default max_ctx (8192) is shorter than Claude Code's first request "
+                                        "(~20K tokens), and its prefill here outlasts Claude Code's 300 s stream idle "
+                                        "limit, which neither SSE comments nor `event: ping` reset")
 def test_claude_code_answers_with_the_embedded_model(claude_code, tmp_path, workspace, default_server):
     done = run_cli(claude_code_command(claude_code, TASK, default_server.model), cwd=workspace,
                    env=claude_code_env(tmp_path / "home", default_server.base_url), timeout_s=CLAUDE_CODE_TIMEOUT_S)
