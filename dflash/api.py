@@ -192,7 +192,10 @@ class API:
     async def create_response(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "responses"
         owner = self._owner(request)
-        turn = begin_turn(self.responses, responses.parse_request(request.body), owner=owner)
+        parsed = responses.parse_request(request.body)
+        # Operators (and the real-client tests) see which turns continued a stored one.
+        request.log["previous_response_id"] = parsed.previous_response_id
+        turn = begin_turn(self.responses, parsed, owner=owner)
         reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
         render = turn.renderer(self._model.model_id)
         answer = await self._answer(request, writer, reply, render)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.clis import CLAUDE_CODE, CODEX, installed
+
 ROOT = Path(__file__).parents[2]
 START_TIMEOUT_S = 300
 MAX_CTX = 2048
@@ -54,6 +56,18 @@ def server(tmp_path_factory):
     """(base URL, model id) of the running server."""
     with running_server(tmp_path_factory.mktemp("server"), server_config(agent_turn_cache=True)) as started:
         yield started["listening"], started["model"]
+
+
+@pytest.fixture(scope="session")
+def codex() -> Path:
+    """The pinned Codex CLI's executable (installed from npm on first use)."""
+    return installed(CODEX)
+
+
+@pytest.fixture(scope="session")
+def claude_code() -> Path:
+    """The pinned Claude Code CLI's executable (installed from npm on first use)."""
+    return installed(CLAUDE_CODE)
 
 
 def _wait_for_start(process: subprocess.Popen, log_path: Path) -> dict:

@@ -42,16 +42,17 @@ class ScriptedSampler:
     """The sampler of a FakeGeneration: it "samples" the next byte of the script, and shows a
     distribution that favours that byte (for the scheduler's logprob recorder)."""
 
-    def __init__(self, engine: FakeEngine, sampling):
-        self._script = engine.reply.encode()
+    def __init__(self, engine: FakeEngine, sampling, prompt_ids: list[int]):
+        self._script = engine.reply_ids(prompt_ids)
         self._endless = engine.endless
+        self._eos = engine.eos_token_id
         self.params = sampling
 
     def sample(self, logits, history: list[int]) -> int:
         index = len(history)
         if self._endless:
             return self._script[index % len(self._script)]
-        return self._script[index] if index < len(self._script) else EOS
+        return self._script[index] if index < len(self._script) else self._eos
 
     def process(self, logits, history: list[int]):
         import torch
@@ -80,7 +81,7 @@ class FakeGeneration:
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.snapshot_at = tuple(snapshot_at)
-        self.sampler = ScriptedSampler(engine, sampling)
+        self.sampler = ScriptedSampler(engine, sampling, self.prompt_ids)
         self.output: list[int] = []
         self.finished: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -120,14 +121,14 @@ class FakeGeneration:
         time.sleep(self._engine.decode_step_s)
         token = self.sampler.sample(None, self.output)
         self.stats.generated_tokens += 1
-        if token == EOS:
+        if token == self._engine.eos_token_id:
             self.finished = "stop"
         else:
             self.output.append(token)
             if self.stats.generated_tokens >= self.max_tokens:
                 self.finished = "length"
         self.stats.decode_ms += (time.monotonic() - began) * 1000
-        return FakeStepOutput(tokens=[token] if token != EOS else [], finished=self.finished)
+        return FakeStepOutput(tokens=[token] if token != self._engine.eos_token_id else [], finished=self.finished)
 
     def close(self) -> None:
         if self.closed_at is None:
@@ -152,6 +153,8 @@ class FakeEngine:
     """Follows dflash.engine.contract.Engine, as dflash.engine.generate.Engine does. Checks the
     scheduler keeps to it: one live generation at a time, every call from one thread, no step
     after the end."""
+
+    eos_token_id = EOS
 
     def __init__(self, *, max_ctx: int = 4096, prefill_chunk: int = 16, prefill_step_s: float = 0.0,
                  decode_step_s: float = 0.0, reply: str = REPLY, endless: bool = False,
@@ -180,6 +183,10 @@ class FakeEngine:
         self.live.grammar = grammar  # recorded, not followed: the reply is scripted
         self.generations.append(self.live)
         return self.live
+
+    def reply_ids(self, prompt_ids: list[int]) -> list[int]:
+        """The tokens of the reply to this prompt: here `reply`'s bytes, whatever the prompt."""
+        return list(self.reply.encode())
 
     def checkpoint_prefix(self, tokens: list[int]) -> int:
         self.threads.add(threading.current_thread().name)

@@ -14,6 +14,7 @@ from tests.unit.fakes import FakeEngine
 from tests.unit.rawhttp import RawClient, request
 
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 BODY = {"messages": [{"role": "user", "content": "secret code"}], "max_tokens": 5}
 FIELDS = {"id", "method", "path", "status", "dialect", "prompt_tokens", "cached_tokens", "prefilled_tokens",
           "completion_tokens", "finish_reason", "queue_ms", "prefill_ms", "decode_ms", "client_disconnected",
@@ -46,6 +47,15 @@ async def test_log_text_adds_prompt_and_completion(start_server):
     (line,) = request_lines(captured)
     assert line["prompt_text"].endswith("<|im_start|>user\nsecret code<|im_end|>\n<|im_start|>assistant\n")
     assert line["completion_text"] == "Hello"
+
+
+async def test_a_continued_response_logs_the_id_it_continues(start_server):
+    served = await start_server()
+    with capture_logs() as captured:
+        first = (await request(served.port, "POST", RESPONSES, json_body={"input": "hi"})).json()
+        await request(served.port, "POST", RESPONSES, json_body={"input": "more", "previous_response_id": first["id"]})
+        await wait_until(lambda: len(request_lines(captured)) == 2)
+    assert [line.get("previous_response_id") for line in request_lines(captured)] == [None, first["id"]]
 
 
 async def test_a_disconnect_is_logged_as_such(start_server):

@@ -1,0 +1,100 @@
+"""Codex and Claude Code against the embedded model, served as a user starts it: examples/default.toml
+(on a free port, with a disk cache of its own). Each CLI must finish a one-line task with a
+non-empty answer and no error.
+
+Slow: the CLIs' first requests are long (Codex ~9.2K tokens, Claude Code ~20K), and the whole
+prompt is prefilled on the CPU: minutes for Claude Code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import attrs
+import pytest
+
+from tests.integration.clis import (claude_code_command, claude_code_env, codex_command, codex_env, codex_events,
+                                    codex_failures, codex_messages, outcome, run_cli, write_codex_home)
+from tests.integration.conftest import ROOT, running_server
+
+TASK = "Say hello in one word."
+CODEX_TIMEOUT_S = 600
+CLAUDE_CODE_TIMEOUT_S = 900
+
+
+def default_config(disk_dir: Path) -> str:
+    """examples/default.toml as shipped, but on a free port and with a disk cache of its own."""
+    text = (ROOT / "examples" / "default.toml").read_text()
+    for setting, value in (("port = 8000", "port = 0"), ('disk_dir = ""', f"disk_dir = {json.dumps(str(disk_dir))}")):
+        assert text.count(setting) == 1, f"examples/default.toml no longer has exactly one {setting!r}"
+        text = text.replace(setting, value)
+    return text
+
+
+@attrs.frozen
+class DefaultServer:
+    base_url: str
+    model: str
+    log_path: Path
+
+    def requests(self) -> list[dict]:
+        """The request lines of its log so far."""
+        lines = (json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{"))
+        return [line for line in lines if line.get("event") == "request"]
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory) -> DefaultServer:
+    folder = tmp_path_factory.mktemp("default-server")
+    with running_server(folder, default_config(folder / "disk-cache")) as started:
+        yield DefaultServer(started["listening"], started["model"], folder / "server.log")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """The folder every CLI here works in: the CLIs write it into their prompts, so with one folder
+    the second Codex run's prompt is the first one's, which the server's prompt cache holds (a
+    9K-token prefill saved)."""
+    return tmp_path_factory.mktemp("workspace")
+
+
+def run_codex(codex: Path, tmp_path: Path, workspace: Path, server: DefaultServer, *, websockets: bool):
+    codex_home = write_codex_home(tmp_path / "codex-home", f"{server.base_url}/v1", server.model, websockets=websockets)
+    return run_cli(codex_command(codex, TASK), cwd=workspace, env=codex_env(tmp_path / "home", codex_home),
+                   timeout_s=CODEX_TIMEOUT_S)
+
+
+def check_codex_answer(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, outcome(done)
+    events = codex_events(done.stdout)
+    assert codex_failures(events) == [], outcome(done)
+    messages = codex_messages(events)
+    assert messages and messages[-1].strip(), outcome(done)
+
+
+def test_codex_answers_with_the_embedded_model(codex, tmp_path, workspace, default_server):
+    check_codex_answer(run_codex(codex, tmp_path, workspace, default_server, websockets=False))
+
+
+def test_codex_over_websocket_answers_with_the_embedded_model(codex, tmp_path, workspace, default_server):
+    seen_before = len(default_server.requests())
+    done = run_codex(codex, tmp_path, workspace, default_server, websockets=True)
+    check_codex_answer(done)
+    assert "Falling back" not in done.stdout + done.stderr, outcome(done)
+    # A refused upgrade makes Codex quietly post over HTTP instead.
+    posted = [line for line in default_server.requests()[seen_before:] if line["method"] == "POST"]
+    assert posted == [], outcome(done)
+
+
+@pytest.mark.skipif(not os.environ.get("DFLASH_SLOW_CLIENT_TESTS"), reason=(
+    "Claude Code's ~20K-token first request is a 5+ minute prefill on a 2-core CPU: too long for the "
+    "suite's budget; DFLASH_SLOW_CLIENT_TESTS=1 runs it"))
+def test_claude_code_answers_with_the_embedded_model(claude_code, tmp_path, workspace, default_server):
+    done = run_cli(claude_code_command(claude_code, TASK, default_server.model), cwd=workspace,
+                   env=claude_code_env(tmp_path / "home", default_server.base_url), timeout_s=CLAUDE_CODE_TIMEOUT_S)
+    assert done.returncode == 0, outcome(done)
+    result = json.loads(done.stdout)
+    assert result["is_error"] is False and result["result"].strip(), outcome(done)
