@@ -109,7 +109,7 @@ async def test_expect_100_continue(start_server):
     client = await RawClient.open(served.port)
     body = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
     await client.send_raw(client.h11.send(h11.Request(method="POST", target=CHAT, headers=[
-        ("host", "x"), ("expect", "100-continue"), ("content-type", "application/json"),
+        ("host", "localhost"), ("expect", "100-continue"), ("content-type", "application/json"),
         ("content-length", str(len(body)))])))
     with trio.fail_after(3):
         interim = await client.next_event()  # sent before we send any body
