@@ -123,7 +123,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     logs.configure("warning", "console")
     from dflash.engine.drafters.dflash import build_target_layer_ids
     from dflash.engine.loading import ModelLoadError, load_model
-    from dflash.engine.train_drafter import (
+    from dflash.training.train_drafter import (
         TrainOptions,
         choose_mask_token,
         generate_data,

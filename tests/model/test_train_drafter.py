@@ -9,7 +9,7 @@ from dflash.engine.generate import Engine
 from dflash.engine.loading import load_model
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
-from dflash.engine.train_drafter import (
+from dflash.training.train_drafter import (
     TrainOptions,
     choose_mask_token,
     generate_data,
