@@ -43,6 +43,7 @@ log = structlog.get_logger("dflash.disk_cache")
 class DiskEntry:
     tokens: tuple[int, ...]
     path: Path
+    nbytes: int  # the file's size
 
 
 @attrs.frozen
@@ -60,7 +61,8 @@ def tokens_name(tokens: Sequence[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()[:32]
 
 
-def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor]) -> bytes:
+def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor], model: str = "") -> bytes:
+    """`model`: the served model's name, for `dflash cache ls` (not part of the identity)."""
     table, chunks, offset = [], [], 0
     for name, t in tensors.items():
         data = tensor_bytes(t)
@@ -69,7 +71,7 @@ def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, T
         chunks.append(data)
         offset += len(data)
     payload = b"".join(chunks)
-    header = json.dumps({"format": FORMAT, "identity": identity, "tokens": list(tokens), "tensors": table,
+    header = json.dumps({"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens), "tensors": table,
                          "sha256": hashlib.sha256(payload).hexdigest()}).encode()
     return struct.pack("<Q", len(header)) + header + payload
 
@@ -140,11 +142,13 @@ def _running(pid: int) -> bool:
 
 
 class DiskCache:
-    def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any]):
+    def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any], model: str = ""):
         self.folder = Path(folder).expanduser() if folder else None
         self.max_bytes = max_bytes
         self.identity = identity
+        self.model = model
         self._entries: dict[str, DiskEntry] = {}
+        self.hits = 0  # snapshots restored from here (counted by the caller that restores them)
         self._write_failed = False
         self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=8)
         self._writer: threading.Thread | None = None
@@ -159,6 +163,10 @@ class DiskCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in list(self._entries.values()))  # a copy: the writer may trim
 
     def _scan(self) -> None:
         """Index the files of this model; drop those that cannot be read or belong elsewhere, and
@@ -175,10 +183,11 @@ class DiskCache:
                 if header.get("identity") != self.identity:
                     raise CorruptSnapshot("made by another model, dtype, context size or chat template")
                 tokens = tuple(header["tokens"])
+                size = path.stat().st_size
             except (CorruptSnapshot, OSError, KeyError, TypeError) as exc:
                 self._discard(path, exc)
                 continue
-            self._entries[path.stem] = DiskEntry(tokens, path)
+            self._entries[path.stem] = DiskEntry(tokens, path, size)
 
     def _discard(self, path: Path, reason: Exception) -> None:
         log.warning("disk_cache_file_skipped", path=str(path), reason=str(reason))
@@ -218,14 +227,14 @@ class DiskCache:
         tensors = {"keys": snapshot.keys, "values": snapshot.values}
         if draft_rows is not None:
             tensors["draft_rows"] = draft_rows
-        data = encode(self.identity, tokens, tensors)
+        data = encode(self.identity, tokens, tensors, self.model)
         if len(data) > self.max_bytes:
             return
         try:
             self._writes.put_nowait((name, data))
         except queue.Full:
             return  # the disk is behind; this snapshot stays in memory only
-        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}")
+        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}", len(data))
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
