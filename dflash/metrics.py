@@ -28,6 +28,7 @@ RECENT_REQUESTS = 20
 TIME_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 ACCEPTANCE_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16)
 TOKEN_KINDS = ("prompt", "cached", "prefilled", "generated")
+JOB_OUTCOMES = ("finished", "cancelled", "failed")
 OTHER_ENDPOINT = "other"  # any path that is not a route, so scanners cannot grow the label set
 
 
@@ -70,6 +71,10 @@ class Metrics:
         self.cancellations = Counter("dflash_cancellations", "jobs stopped before their end, by phase (queued, "
                                      "prefill, decode) and reason (abandoned, stop, shutdown)", ["phase", "reason"],
                                      registry=registry)
+        for kind in TOKEN_KINDS:  # at 0 from the start, so rates work from the first scrape
+            self.tokens.labels(kind)
+        for outcome in JOB_OUTCOMES:
+            self.jobs.labels(outcome)
         self.model_load = Gauge("dflash_model_load_seconds", "time the model took to load at start-up",
                                 registry=registry)
         self.model_load.set(load_seconds)
