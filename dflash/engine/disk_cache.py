@@ -141,6 +141,55 @@ def _running(pid: int) -> bool:
     return True
 
 
+@attrs.frozen
+class StoredSnapshot:
+    """One file of a disk cache folder as `dflash cache ls` shows it."""
+
+    path: Path
+    model: str  # the served model's name ("" for files written before names were recorded)
+    dtype: str
+    tokens: int
+    nbytes: int
+    last_used: float  # the file's mtime: written, or last restored
+    problem: str | None = None  # why the file cannot be served, if it cannot
+
+
+def stored_snapshots(folder: Path) -> list[StoredSnapshot]:
+    """The snapshot files of `folder`, most recently used first; a missing folder has none."""
+    found = []
+    for path in folder.glob(f"*{SUFFIX}") if folder.is_dir() else ():
+        try:
+            stat = path.stat()
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            header, _ = read_header(path)
+            identity = header.get("identity") or {}
+            found.append(StoredSnapshot(path, str(header.get("model") or ""), str(identity.get("dtype", "")),
+                                        len(header["tokens"]), stat.st_size, stat.st_mtime))
+        except (CorruptSnapshot, OSError, KeyError, TypeError, AttributeError) as exc:
+            found.append(StoredSnapshot(path, "", "", 0, stat.st_size, stat.st_mtime, problem=str(exc)))
+    return sorted(found, key=lambda snapshot: snapshot.last_used, reverse=True)
+
+
+def remove_snapshots(folder: Path) -> tuple[int, int]:
+    """Remove every snapshot file of `folder` and the leftovers of killed writers (not the
+    temporary files of writes still running); returns (files, bytes) removed."""
+    removed = removed_bytes = 0
+    if not folder.is_dir():
+        return 0, 0
+    leftovers = [path for path in folder.glob(f".*{TEMPORARY_SUFFIX}") if _abandoned(path)]
+    for path in [*folder.glob(f"*{SUFFIX}"), *leftovers]:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed += path.suffix == SUFFIX
+        removed_bytes += size
+    return removed, removed_bytes
+
+
 class DiskCache:
     def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any], model: str = ""):
         self.folder = Path(folder).expanduser() if folder else None
