@@ -117,7 +117,7 @@ function renderRequests(requests) {
   const rows = requests.map((request) => {
     const cached = request.prompt_tokens != null ? `${request.prompt_tokens} (${request.cached_tokens ?? 0})` : null;
     const tr = row([
-      new Date(request.at * 1000).toLocaleTimeString(),
+      new Date(request.at * 1000).toTimeString().slice(0, 8),
       request.dialect,
       request.client_disconnected ? `${request.status ?? "–"} (left)` : request.status,
       cached,
@@ -206,11 +206,31 @@ function applyDelta(delta, reply, view) {
   }
 }
 
+// The tools field's JSON array, or undefined when it is empty.
+function offeredTools() {
+  const text = $("tools").value.trim();
+  if (!text) return undefined;
+  let tools;
+  try {
+    tools = JSON.parse(text);
+  } catch (error) {
+    throw new Error(`the tools are not JSON: ${error.message}`);
+  }
+  if (!Array.isArray(tools)) throw new Error(`the tools must be a JSON array, not ${text.slice(0, 40)}`);
+  return tools;
+}
+
 async function send(text) {
   const maxTokens = Number.parseInt($("max-tokens").value, 10);
   const temperature = Number.parseFloat($("temperature").value);
   if (!(maxTokens >= 1)) return setChatStatus(`max tokens must be a whole number >= 1, not ${JSON.stringify($("max-tokens").value)}`, true);
   if (!(temperature >= 0)) return setChatStatus(`temperature must be a number >= 0, not ${JSON.stringify($("temperature").value)}`, true);
+  let tools;
+  try {
+    tools = offeredTools();
+  } catch (error) {
+    return setChatStatus(error.message, true);
+  }
   conversation.push({ role: "user", content: text });
   addMessage("user").text.textContent = text;
   const view = addMessage("assistant");
@@ -229,7 +249,7 @@ async function send(text) {
       headers: { "Content-Type": "application/json", ...authHeaders() },
       body: JSON.stringify({
         model: modelId || "default", messages: conversation, stream: true, temperature,
-        max_tokens: maxTokens, stream_options: { include_usage: true },
+        max_tokens: maxTokens, stream_options: { include_usage: true }, ...(tools ? { tools } : {}),
       }),
     });
     view.root.dataset.requestId = response.headers.get("x-request-id") || "";
@@ -243,10 +263,11 @@ async function send(text) {
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
       for (const choice of chunk.choices || []) {
-        if (firstTokenMs === null && Object.keys(choice.delta || {}).some((key) => key !== "role")) {
+        const delta = choice.delta || {};
+        if (firstTokenMs === null && (delta.content || delta.reasoning_content || delta.tool_calls)) {
           firstTokenMs = performance.now() - began;
         }
-        applyDelta(choice.delta || {}, reply, view);
+        applyDelta(delta, reply, view);
         finish = choice.finish_reason || finish;
       }
       usage = chunk.usage || usage;
@@ -262,6 +283,7 @@ async function send(text) {
     setStreaming(null);
     view.root.dataset.done = "true";
     if (reply.content) conversation.push({ role: "assistant", content: reply.content });
+    schedulePoll(0); // the table shows this request now, not at the next tick
   }
 }
 
