@@ -24,7 +24,7 @@ from dflash.chat.parser import new_call_id
 from dflash.config import Config, ServerConfig
 from dflash.engine.cpu import cpu_kind
 from dflash.http.routing import CORSPolicy, HostPolicy, Router, is_loopback_host, offered_key
-from dflash.http.server import Handler, Request, RequestDone, Response, ResponseWriter
+from dflash.http.server import Handler, Request, Response, ResponseWriter
 from dflash.http.sse import frame, open_sse_stream
 from dflash.http.websocket import HandshakeRefused, accept_websocket
 from dflash.metrics import Metrics

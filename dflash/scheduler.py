@@ -338,7 +338,7 @@ class Scheduler:
     def _ended(self, job: Job, outcome: str, phase: str, stats: contract.GenerationStats | None, *,
                reason: str | None = None) -> None:
         record = JobRecord(request_id=job.request_id, outcome=outcome, phase=phase,
-                           cancel_reason=reason or job.cancel_reason if outcome == "cancelled" else None,
+                           cancel_reason=(reason or job.cancel_reason) if outcome == "cancelled" else None,
                            queue_s=job.queue_ms / 1000, stats=stats)
         try:
             self._on_job_end(record)
@@ -399,8 +399,7 @@ class Scheduler:
             phase = "decode" if stats is not None and stats.generated_tokens else "prefill"
             outcome = "failed" if failed else "finished" if finished or not job.cancelled else "cancelled"
             self._ended(job, outcome, phase, stats)
-        with trio.CancelScope(shield=True):
-            await self._read_cache_stats()
+        await self._read_cache_stats()
 
 
 def _take_step(generation: contract.Generation) -> JobStep:

@@ -71,8 +71,8 @@ def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, T
         chunks.append(data)
         offset += len(data)
     payload = b"".join(chunks)
-    header = json.dumps({"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens), "tensors": table,
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    header = json.dumps({"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens),
+                         "tensors": table, "sha256": hashlib.sha256(payload).hexdigest()}).encode()
     return struct.pack("<Q", len(header)) + header + payload
 
 

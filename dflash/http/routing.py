@@ -117,7 +117,8 @@ def offered_key(request: Request) -> str | None:
 class Router:
     def __init__(self, routes: Mapping[tuple[str, str], Handler], *, error_response: ErrorResponder,
                  api_keys: Sequence[str] = (), cors: CORSPolicy = CORSPolicy(), hosts: HostPolicy = HostPolicy(),
-                 open_paths: Collection[str] = ("/health",), is_open: Callable[[Request], bool] = lambda request: False):
+                 open_paths: Collection[str] = ("/health",),
+                 is_open: Callable[[Request], bool] = lambda request: False):
         self._routes = dict(routes)
         self._error_response = error_response
         self._keys = APIKeys(api_keys)

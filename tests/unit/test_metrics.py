@@ -44,8 +44,8 @@ async def test_a_mix_of_requests_moves_the_counters(start_server):
     assert value(before, "dflash_requests_total", endpoint="/v1/chat/completions", dialect="openai_chat",
                  status="200") == 0
     ok = await request(served.port, "POST", CHAT, json_body=chat(max_tokens=5))
-    streamed = await request(served.port, "POST", "/v1/messages",
-                             json_body={"max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "yo"}]})
+    anthropic = {"max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "yo"}]}
+    streamed = await request(served.port, "POST", "/v1/messages", json_body=anthropic)
     bad = await request(served.port, "POST", CHAT, json_body={"messages": "not a list"})
     unknown = await request(served.port, "GET", "/no/such/path")
     assert (ok.status, streamed.status, bad.status, unknown.status) == (200, 200, 400, 404)
@@ -60,7 +60,8 @@ async def test_a_mix_of_requests_moves_the_counters(start_server):
     assert value(after, requests, endpoint="/metrics", dialect="none", status="200") == 1  # the first scrape
     usage = ok.json()["usage"]
     assert value(after, "dflash_tokens_total", kind="generated") == 5 + 8
-    assert value(after, "dflash_tokens_total", kind="prompt") == usage["prompt_tokens"] + len(served.engine.generations[1].prompt_ids)
+    prompts = usage["prompt_tokens"] + len(served.engine.generations[1].prompt_ids)
+    assert value(after, "dflash_tokens_total", kind="prompt") == prompts
     assert value(after, "dflash_tokens_total", kind="prefilled") == value(after, "dflash_tokens_total", kind="prompt")
     assert value(after, "dflash_jobs_total", outcome="finished") == 2
     assert value(after, "dflash_prefill_seconds_count") == 2
