@@ -312,12 +312,18 @@ class DiskCache:
         self._trim()
 
     def _trim(self) -> None:
-        files = [(p.stat().st_mtime, p) for p in self.folder.glob(f"*{SUFFIX}")]
-        total = sum(p.stat().st_size for _, p in files)
-        for _, path in sorted(files):
+        files = []
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # removed meanwhile (`dflash cache clear`): not a write failure
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            total -= path.stat().st_size
+            total -= size
             path.unlink(missing_ok=True)
             self._entries.pop(path.stem, None)
 

@@ -95,3 +95,26 @@ def test_the_command_runs_as_a_program(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "smollm2-135m-instruct" in done.stdout and f"{'a' * 32}{SUFFIX}" in done.stdout
+
+
+def test_an_engine_whose_snapshots_were_cleared_computes_the_prefix_and_keeps_writing(tmp_path):
+    from dflash.engine.disk_cache import DiskCache, remove_snapshots
+    from dflash.engine.generate import Engine
+    from dflash.engine.prefix_cache import PrefixCache
+    from dflash.engine.sampling import SamplingParams
+    from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+    disk = DiskCache(tmp_path, max_bytes=1 << 30, identity=IDENTITY)
+    engine = Engine(ours_from_hf(tiny_hf_model("llama")), max_ctx=128, prefix_cache=PrefixCache(4, 1 << 30),
+                    disk_cache=disk, reuse_live_state=False)
+    conversation = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 8]
+    engine.start(conversation, SamplingParams(), max_tokens=2, snapshot_at=(8,)).run()
+    disk.flush()
+    assert remove_snapshots(tmp_path)[0] == 1
+    engine.prefix_cache.clear()  # as after a restart: only the disk tier could serve the prefix
+    generation = engine.start(conversation[:8] + [44, 45], SamplingParams(), max_tokens=2, snapshot_at=(8,))
+    generation.run()
+    disk.flush()
+    disk.close()
+    assert generation.stats.cached_tokens == 0
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1  # written again: the cache still works
