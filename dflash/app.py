@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from functools import partial
 import attrs
 import trio
 
 from dflash import __version__
-from dflash.api import API, exposure_warnings, error_response
+from dflash.api import API, ROUTED_PATHS, build_info, exposure_warnings, error_response
 from dflash.config import Config
 from dflash.engine import contract
 from dflash.http.server import HTTPServer, Limits
 from dflash.logs import config_summary, get_logger
+from dflash.metrics import Metrics
 from dflash.reply import ModelText
 from dflash.scheduler import EngineWorker, Scheduler
 
@@ -38,7 +40,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
     # on a fake engine (unit tests, bench --fake) never needs.
     from dflash.chat.detokenize import IncrementalDetokenizer, token_bytes
     from dflash.chat.template import chat_template_for
-    from dflash.engine.loading import load_model as load_engine_model
+    from dflash.engine.loading import load_model as load_engine_model, weights_format
 
     from dflash.engine.speculative import SpeculationConfig
 
@@ -65,6 +67,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         token_bytes=partial(token_bytes, loaded.tokenizer),
         vocab_size=loaded.engine.vocab_size,
         aliases=config.aliases,
+        weights_format=weights_format(config.source),
     )
     return loaded.engine, text
 
@@ -109,11 +112,16 @@ async def serve(config: Config, *, loader: ModelLoader = load_served_model, hand
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load the model, listen, serve until shutdown. `task_status.started` gets the App."""
     with EngineWorker() as worker:
+        loading_began = time.perf_counter()
         engine, model = await worker.call(loader, config)
-        scheduler = Scheduler(engine, worker, queue_max=config.server.queue_max)
-        router = API(model, scheduler, config).router()
+        metrics = Metrics(build=build_info(config, model), load_seconds=time.perf_counter() - loading_began,
+                          endpoints=ROUTED_PATHS)
+        scheduler = Scheduler(engine, worker, queue_max=config.server.queue_max, on_job_end=metrics.job_ended)
+        router = API(model, scheduler, config, metrics).router()
         http = HTTPServer(router, limits_of(config), common_headers=router.common_headers,
-                          error_response=error_response)
+                          error_response=error_response, on_request=metrics.request_done)
+        metrics.watch(queued=lambda: scheduler.queue_depth, running=lambda: scheduler.running,
+                      in_flight=lambda: http.active_requests, cache_stats=lambda: scheduler.cache_stats)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(scheduler.run)
             listeners = await trio.open_tcp_listeners(config.server.port, host=config.server.host)

@@ -76,6 +76,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8000, validator=_ints(0, 65535))
     api_keys: tuple[str, ...] = ()
+    metrics_auth: bool = True  # with api_keys set, GET /metrics needs a key too; false opens it to scrapers
     cors_origins: tuple[str, ...] = ("*",)
     # Host names answered besides loopback ones while listening on a loopback address (DNS rebinding).
     allowed_hosts: tuple[str, ...] = ()

@@ -53,6 +53,7 @@ class ModelText:
     token_bytes: Callable[[int], bytes]  # one token's text, for logprobs
     vocab_size: int
     aliases: tuple[str, ...] = ()
+    weights_format: str = "unknown"  # what the weights were read from: gguf, safetensors (for operators)
 
 
 class Renderer(Protocol):
@@ -190,7 +191,7 @@ class Replies:
             for event in parser.feed(detokenizer.push(step.tokens)):
                 yield event
             if parser.done:
-                job.cancel()  # nothing after a stop string (or the one allowed call) is wanted
+                job.cancel("stop")  # nothing after a stop string (or the one allowed call) is wanted
                 break
         else:
             for event in parser.feed(detokenizer.flush()) + parser.finish():

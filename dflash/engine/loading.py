@@ -132,12 +132,18 @@ def load_model(
         reuse_live_state=reuse_live_state,
         disk_cache=(
             DiskCache(disk_cache_dir, disk_cache_mib << 20,
-                      model_identity(folder, dtype, max_ctx, model.args.rope_scaling, tokenizer, draft_model))
+                      model_identity(folder, dtype, max_ctx, model.args.rope_scaling, tokenizer, draft_model),
+                      model=model_id)
             if disk_cache_dir and backend == "native"
             else None
         ),
     )
     return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
+
+
+def weights_format(source: str) -> str:
+    """What a source's weights are read from (the embedded model is a GGUF file)."""
+    return "gguf" if source.startswith("embedded:") or source.lower().endswith(".gguf") else "safetensors"
 
 
 def weights_fingerprint(folder: Path) -> str:

@@ -57,7 +57,7 @@ CLAUDE_CODE = NpmCli("@anthropic-ai/claude-code", "2.1.197", "claude")
 def installed(cli: NpmCli) -> Path:
     """The CLI's executable, installed into the cache on first use."""
     CLI_CACHE.mkdir(parents=True, exist_ok=True)
-    with _locked(CLI_CACHE / f"{cli.folder.name}.lock"):
+    with locked(CLI_CACHE / f"{cli.folder.name}.lock"):
         if not _runs(cli):
             _npm_install(cli)
             if not _runs(cli):
@@ -66,7 +66,7 @@ def installed(cli: NpmCli) -> Path:
     return cli.executable
 
 
-def _unavailable(reason: str) -> None:
+def unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI is set: the real-client tests must run here)")
     pytest.skip(reason)
@@ -75,14 +75,14 @@ def _unavailable(reason: str) -> None:
 def _npm_install(cli: NpmCli) -> None:
     npm = shutil.which("npm")
     if npm is None:
-        _unavailable(f"npm is not on PATH: cannot install {cli.spec}")
+        unavailable(f"npm is not on PATH: cannot install {cli.spec}")
     try:
         done = subprocess.run([npm, "install", "--prefix", str(cli.folder), "--no-audit", "--no-fund", cli.spec],
                               capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        _unavailable(f"npm install {cli.spec} took over {INSTALL_TIMEOUT_S}s")
+        unavailable(f"npm install {cli.spec} took over {INSTALL_TIMEOUT_S}s")
     if done.returncode != 0:
-        _unavailable(f"npm install {cli.spec} failed ({done.returncode}): {done.stderr[-1500:]}")
+        unavailable(f"npm install {cli.spec} failed ({done.returncode}): {done.stderr[-1500:]}")
 
 
 def _runs(cli: NpmCli) -> bool:
@@ -94,7 +94,7 @@ def _runs(cli: NpmCli) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
