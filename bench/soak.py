@@ -34,10 +34,12 @@ from pathlib import Path
 import attrs
 import h11
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.live_server import LiveServer, percentile, report_verdict  # noqa: E402
+from dflash.engine.cpu import cpu_kind  # noqa: E402
 from tests.unit.dialects import sse_event  # noqa: E402
 from tests.unit.rawhttp import RawClient, request  # noqa: E402
 from tests.unit.wsclient import ResponsesClient  # noqa: E402
@@ -92,6 +94,7 @@ class Sample:
     rss_bytes: int
     fds: int
     threads: int
+    cache_bytes: int = 0  # every cache tier's bytes, from /metrics
 
 
 @attrs.define
@@ -634,8 +637,17 @@ async def quiet_sample(load: Load, pid: int) -> Sample:
     while time.monotonic() < deadline and not (len(readings) >= 5 and len({r.fds for r in readings[-5:]}) == 1):
         await trio.sleep(0.1)
         readings.append(process_sample(pid))
+    sample = attrs.evolve(readings[-1], cache_bytes=await cache_bytes(load.port))
     load.resume()
-    return readings[-1]
+    return sample
+
+
+async def cache_bytes(port: int) -> int:
+    """The bytes the server's caches hold (prefix, exact and disk tiers), as /metrics reports them."""
+    reply = await request(port, "GET", "/metrics")
+    families = text_string_to_metric_families(reply.body.decode())
+    return int(sum(sample.value for family in families if family.name == "dflash_cache_bytes"
+                   for sample in family.samples))
 
 
 async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: int = 4, seed: int = 0,
@@ -697,7 +709,7 @@ def table_row(minute: Minute) -> str:
     cells = [minute.index, *(tally.outcomes[outcome] for outcome in OUTCOMES),
              f"{percentile(tally.ttft_s, 0.5):.2f}", f"{percentile(tally.ttft_s, 0.99):.2f}",
              f"{percentile(tally.health_s, 0.5) * 1000:.1f}", f"{percentile(tally.health_s, 0.99) * 1000:.1f}",
-             f"{mib(sample.rss_bytes)}", sample.fds, sample.threads, "-"]  # no endpoint exposes cache bytes
+             f"{mib(sample.rss_bytes)}", sample.fds, sample.threads, f"{mib(sample.cache_bytes)} MiB"]
     return "  ".join(str(cell).ljust(width) for cell, width in zip(cells, WIDTHS))
 
 
@@ -715,17 +727,6 @@ def print_summary(report: Report, out=print) -> None:
 
 def mib(size: int) -> str:
     return f"{size / 2**20:.1f}"
-
-
-def cpu_kind() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    if "amx_bf16" in flags:
-        return "AMX"
-    return "AVX512-BF16" if "avx512_bf16" in flags else "AVX2"
 
 
 async def main_async(args) -> int:
