@@ -185,6 +185,7 @@ class API:
             "model": self._model.model_id,
             "state": self._scheduler.state,
             "queue_depth": self._scheduler.queue_depth,
+            "running": self._scheduler.running_job(),
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
             "version": __version__,
             "warnings": list(exposure_warnings(self._config.server)),

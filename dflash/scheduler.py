@@ -150,6 +150,7 @@ class Job:
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
         self.cancel_reason: str | None = None
+        self.progress: contract.GenerationStats | None = None  # as of the last step taken
         self._scheduler = scheduler
         self._started = trio.Event()
         self._failure: Exception | None = None
@@ -245,6 +246,17 @@ class Scheduler:
     @property
     def running(self) -> int:
         return int(self._running is not None)
+
+    def running_job(self) -> dict | None:
+        """Where the running job stands, for operators watching a long prefill: as of its last step."""
+        job = self._running
+        if job is None:
+            return None
+        stats = job.progress or contract.GenerationStats()
+        return {"request_id": job.request_id, "prompt_tokens": len(job.prompt_ids),
+                "cached_tokens": stats.cached_tokens, "prefilled_tokens": stats.prefilled_tokens,
+                "generated_tokens": stats.generated_tokens,
+                "running_s": round(trio.current_time() - (job.started_at or job.queued_at), 3)}
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
@@ -377,6 +389,7 @@ class Scheduler:
         try:
             while not job.cancelled and not finished:
                 last = await self._worker.call(_take_step, generation)
+                job.progress = last.stats
                 job._deliver(last)
                 finished = last.finished is not None
         except Exception as exc:

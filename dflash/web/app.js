@@ -81,6 +81,7 @@ function renderStatus(status) {
   $("state").textContent = status.state;
   $("state").className = `state ${status.state}`;
   $("queue-depth").textContent = status.queue_depth;
+  $("running").textContent = describeRunning(status.running);
   $("uptime").textContent = formatUptime(status.uptime_s);
   $("version").textContent = status.version;
   const build = status.build || {};
@@ -88,6 +89,15 @@ function renderStatus(status) {
   $("warnings").replaceChildren(...(status.warnings || []).map((text) => element("li", text)));
   renderSettings(status.settings || {});
   renderRequests(status.recent_requests || []);
+}
+
+function describeRunning(job) {
+  if (!job) return "nothing";
+  const computed = job.cached_tokens + job.prefilled_tokens;
+  const phase = computed < job.prompt_tokens
+    ? `prefill ${computed} / ${job.prompt_tokens} tokens`
+    : `${job.generated_tokens} tokens generated`;
+  return `${phase}, ${job.running_s.toFixed(0)} s`;
 }
 
 function element(tag, text, className) {

@@ -66,7 +66,9 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def run_codex(codex: Path, tmp_path: Path, workspace: Path, server: DefaultServer, *, websockets: bool):
-    codex_home = write_codex_home(tmp_path / "codex-home", f"{server.base_url}/v1", server.model, websockets=websockets)
+    # One CODEX_HOME for both runs too: Codex writes its path into the prompt (the skills' root).
+    codex_home = write_codex_home(workspace.parent / "codex-home", f"{server.base_url}/v1", server.model,
+                                  websockets=websockets)
     return run_cli(codex_command(codex, TASK), cwd=workspace, env=codex_env(tmp_path / "home", codex_home),
                    timeout_s=CODEX_TIMEOUT_S)
 
