@@ -682,11 +682,13 @@ async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: i
 
 
 async def run_soak(profile: Profile, *, minutes: int, clients: int = 4, seed: int = 0, warmup_s: float = WARMUP_S,
-                   out=print) -> tuple[Report, LiveServer]:
-    """Start a server, soak it, stop it; the report and the server (whose log is still on disk)."""
+                   cache_mib: int | None = None, out=print) -> tuple[Report, LiveServer]:
+    """Start a server, soak it, stop it; the report and the server (whose log is still on disk).
+    `cache_mib` bounds the memory caches, so that they fill during the warm-up and a leak shows as
+    growth after it."""
     server = LiveServer(fake=profile.fake, fake_args=FAKE_ARGS if profile.fake else (), server={
         "max_body_bytes": MAX_BODY_BYTES, "idle_timeout_s": IDLE_TIMEOUT_S, "queue_max": 64, "keepalive_s": 1.0,
-        "shutdown_grace_s": 5})
+        "shutdown_grace_s": 5}, cache=None if cache_mib is None else {"memory_budget_mib": cache_mib})
     with server:
         report = await soak(server, profile, minutes=minutes, clients=clients, seed=seed, warmup_s=warmup_s, out=out)
         report.exit_code = server.stop()
@@ -731,7 +733,7 @@ def mib(size: int) -> str:
 
 async def main_async(args) -> int:
     report, server = await run_soak(FAKE if args.fake else REAL, minutes=args.minutes, clients=args.clients,
-                                    seed=args.seed, warmup_s=args.warmup_s)
+                                    seed=args.seed, warmup_s=args.warmup_s, cache_mib=args.cache_mib)
     print_summary(report)
     return report_verdict(server, report.failures())
 
@@ -744,6 +746,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-s", type=float, default=WARMUP_S,
                         help="seconds before the memory and descriptor baseline (the prefix caches fill meanwhile)")
+    parser.add_argument("--cache-mib", type=int, default=None,
+                        help="[cache] memory_budget_mib for the server (default: the config default)")
     args = parser.parse_args()
     if args.minutes < 1 or not 0 < args.warmup_s < 60 * args.minutes:
         parser.error("--minutes must be at least 1 and --warmup-s shorter than the run")
