@@ -671,8 +671,9 @@ async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: i
         out(f"after {warmup_s:g}s warm-up: {mib(report.baseline.rss_bytes)} MiB, {report.baseline.fds} fds, "
             f"{report.baseline.threads} threads\n")
         out(TABLE_HEADER)
+        measured_from = trio.current_time()  # the minutes count after the warm-up and its quiet point
         for index in range(1, minutes + 1):
-            await trio.sleep_until(began + 60 * index)
+            await trio.sleep_until(measured_from + 60 * index)
             sample = await quiet_sample(load, server.pid)
             report.minutes.append(Minute(index, load.take_tally(), sample))
             out(table_row(report.minutes[-1]))
