@@ -30,6 +30,7 @@ from dflash.http.websocket import HandshakeRefused, accept_websocket
 from dflash.metrics import Metrics
 from dflash.protocols import anthropic, openai_chat, responses
 from dflash.protocols.errors import APIError, anthropic_error_body, openai_error_body
+from dflash.protocols.conversation import conversation_key
 from dflash.protocols.openai_chat import CompletionHeader
 from dflash.protocols.response_store import ResponseStore
 from dflash.reply import ModelText, Renderer, Replies, Reply
@@ -244,7 +245,8 @@ class API:
     async def chat_completions(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "openai_chat"
         chat = openai_chat.parse_request(request.body)
-        reply = self.replies.prepare(chat, call_id=new_call_id, request_id=request.id)
+        reply = self.replies.prepare(chat, call_id=new_call_id, request_id=request.id,
+                                     conversation=conversation_key(session_header=request.header("session_id")))
         header = CompletionHeader(id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
                                   model=chat.model or self._model.model_id)
         return await self._answer(request, writer, reply, openai_chat.ChatCompletionRender(header, chat))
@@ -252,7 +254,9 @@ class API:
     async def messages(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "anthropic"
         message = anthropic.parse_request(request.body)
-        reply = self.replies.prepare(message, call_id=anthropic.new_tool_use_id, request_id=request.id)
+        reply = self.replies.prepare(message, call_id=anthropic.new_tool_use_id, request_id=request.id,
+                                     conversation=conversation_key(session_header=request.header("session_id"),
+                                                                   metadata=message.metadata))
         render = anthropic.MessageRender(f"msg_{secrets.token_hex(12)}", message.model or self._model.model_id,
                                          prompt_tokens=len(reply.prompt.token_ids),
                                          thinking=message.thinking.enabled is True)
@@ -265,7 +269,10 @@ class API:
         # Operators (and the real-client tests) see which turns continued a stored one.
         request.log["previous_response_id"] = parsed.previous_response_id
         turn = begin_turn(self.responses, parsed, owner=owner)
-        reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
+        conversation = conversation_key(session_header=request.header("session_id"),
+                                        prompt_cache_key=parsed.prompt_cache_key)
+        reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id,
+                                     conversation=conversation)
         render = turn.renderer(self._model.model_id)
         answer = await self._answer(request, writer, reply, render)
         turn.store(self.responses, render, owner=owner)
