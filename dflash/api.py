@@ -181,7 +181,11 @@ class API:
             return Response(200, self._page, (("content-type", "text/html; charset=utf-8"), ("vary", "Accept"),
                                               ("cache-control", "no-cache"),
                                               ("content-security-policy", PAGE_POLICY)))
-        return Response.json(200, {
+        return Response.json(200, self.status_body(), headers=[("vary", "Accept")])
+
+    def status_body(self) -> dict[str, Any]:
+        """What `GET /` answers an API client (a cluster adds its replicas)."""
+        return {
             "status": "ok",
             "model": self._model.model_id,
             "state": self._scheduler.state,
@@ -192,7 +196,7 @@ class API:
             "build": self._build,
             "settings": settings_of(self._config),
             "recent_requests": list(self._metrics.recent),
-        }, headers=[("vary", "Accept")])
+        }
 
     async def metrics(self, request: Request, writer: ResponseWriter) -> Response:
         body, content_type = self._metrics.exposition(request.header("accept"))
