@@ -73,6 +73,8 @@ def deploy(config: Config, loader: ModelLoader) -> Any:
         ray_actor_options=dict(cluster.ray_actor_options), max_ongoing_requests=MAX_ONGOING_REQUESTS,
         # A job on a dying replica has nowhere to go: it fails, and the client retries.
         graceful_shutdown_timeout_s=config.server.shutdown_grace_s,
+        # dflash logs each request at the front; Serve's per-call lines would double them.
+        logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[cluster.router],
             request_router_kwargs={"imbalance_threshold": cluster.imbalance_threshold}
@@ -120,25 +122,32 @@ class ClusterAPI(API):
 async def serve_cluster(config: Config, *, loader: ModelLoader = load_served_model,
                         text_loader: TextLoader = load_front_text, handle_signals: bool = True,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Deploy the replicas, then serve HTTP in front of them until shutdown; remove them after."""
-    loading_began = time.perf_counter()
+    """Deploy the replicas, serve HTTP in front of them until shutdown, remove them."""
     await trio.to_thread.run_sync(connect, config)
     try:
         handle = await trio.to_thread.run_sync(deploy, config, loader)
-        facts_status = await trio.to_thread.run_sync(
-            lambda: handle.options(method_name="status").remote(route=Route(pin=0, generation=False)).result())
-        model = await trio.to_thread.run_sync(text_loader, config, facts_status.model)
-        metrics = Metrics(build=build_info(config, model), load_seconds=time.perf_counter() - loading_began,
-                          endpoints=ROUTED_PATHS)
-        front = ClusterScheduler(handle, config.cluster.replicas, queue_max=config.server.queue_max,
-                                 on_job_end=metrics.job_ended)
-        Gauge("dflash_replicas", "engine replicas that answered the last status call",
-              registry=metrics.registry).set_function(lambda: len(front.replicas.statuses))
-        log.info("replicas_ready", replicas=config.cluster.replicas, address=config.cluster.address,
-                 router=config.cluster.router, seconds=round(time.perf_counter() - loading_began, 1))
-        await serve_front(config, model, front, metrics, api=ClusterAPI(model, front, config, metrics),
-                          handle_signals=handle_signals, task_status=task_status)
+        await serve_replicas(config, handle, text_loader=text_loader, handle_signals=handle_signals,
+                             task_status=task_status)
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(undeploy, config)
     log.info("stopped")
+
+
+async def serve_replicas(config: Config, handle: Any, *, text_loader: TextLoader = load_front_text,
+                         handle_signals: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The HTTP front for a deployment that is up (`deploy`'s handle), until shutdown."""
+    began = time.perf_counter()
+    first = await trio.to_thread.run_sync(
+        lambda: handle.options(method_name="status").remote(route=Route(pin=0, generation=False)).result())
+    model = await trio.to_thread.run_sync(text_loader, config, first.model)
+    metrics = Metrics(build=build_info(config, model), load_seconds=time.perf_counter() - began,
+                      endpoints=ROUTED_PATHS)
+    front = ClusterScheduler(handle, config.cluster.replicas, queue_max=config.server.queue_max,
+                             on_job_end=metrics.job_ended)
+    Gauge("dflash_replicas", "engine replicas that answered the last status call",
+          registry=metrics.registry).set_function(lambda: len(front.replicas.statuses))
+    log.info("replicas_ready", replicas=config.cluster.replicas, address=config.cluster.address,
+             router=config.cluster.router)
+    await serve_front(config, model, front, metrics, api=ClusterAPI(model, front, config, metrics),
+                      handle_signals=handle_signals, task_status=task_status)

@@ -3,7 +3,7 @@ with each job forwarded to an engine replica through a Ray Serve deployment hand
 
 reply.py and api.py drive a `RemoteJob` exactly as they drive a local `Job`: submit, wait for the
 start, read steps, cancel by leaving `with job:`. Behind it a task streams the replica's items
-over the handle (cluster/replica.py: Started, JobSteps, maybe EngineFailed, the JobRecord).
+over the handle (cluster/replica.py: Queued, Started, JobSteps, maybe EngineFailed, the JobRecord).
 Leaving the job cancels that stream, which Serve turns into a cancellation of the replica's
 `generate`, which cancels the replica's job: the engine stops at its next step. A replica that
 dies breaks the stream with a Ray error, which fails the job with EngineFailed (the dialect's
@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import trio
 
-from dflash.cluster.replica import JobRequest, ReplicaStatus, Started
+from dflash.cluster.replica import JobRequest, Queued, ReplicaStatus, Started
 from dflash.cluster.router import Route
 from dflash.engine import contract
 from dflash.engine.grammar import GrammarError
@@ -46,7 +46,7 @@ class RemoteJob:
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
         self.cancel_reason: str | None = None
-        self.replica: str | None = None  # where it runs, once started
+        self.replica: str | None = None  # where it waits and runs, once the replica has it
         self.last: JobStep | None = None
         self._front = front
         self._started = trio.Event()
@@ -94,9 +94,10 @@ class RemoteJob:
 
     def _take(self, item: Any) -> None:
         """One item of the replica's stream."""
-        if isinstance(item, Started):
-            self.started_at = trio.current_time()
+        if isinstance(item, Queued):
             self.replica = item.replica
+        elif isinstance(item, Started):
+            self.started_at = trio.current_time()
             self._started.set()
         elif isinstance(item, JobStep):
             self.last = item

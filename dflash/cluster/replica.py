@@ -6,7 +6,7 @@ cancellation at step boundaries, FIFO queue and turn checkpoints are trio code w
 whole. The two loops meet in three places: submitting a job (a quick call into trio), the job's
 items (trio pushes them onto an asyncio queue) and cancelling it (a call scheduled on trio).
 
-A generation's stream is `Started`, then its `JobStep`s, then an `EngineFailed` if the engine
+A generation's stream is `Queued`, `Started`, then its `JobStep`s, then an `EngineFailed` if the engine
 failed, and always last its `JobRecord`, so the front learns how the job ended and what it cost.
 When the front cancels the stream (its client went away), Serve cancels `generate` here and the
 job stops at its next step.
@@ -57,9 +57,13 @@ class JobRequest:
 
 
 @attrs.frozen
-class Started:
+class Queued:
     replica: str  # the replica's unique id: where its turn checkpoint must go
-    queue_ms: float
+
+
+@attrs.frozen
+class Started:
+    queue_ms: float  # in the replica's queue
 
 
 @attrs.frozen
@@ -187,6 +191,7 @@ class EngineReplica:
                                     top_logprobs=request.top_logprobs, grammar=request.grammar,
                                     conversation=request.conversation)
         self._streams[job.request_id] = push
+        push(Queued(self.replica_id))
         self._recent_jobs[job.request_id] = job
         if len(self._recent_jobs) > RECENT_JOBS_KEPT:
             self._recent_jobs.popitem(last=False)
@@ -196,7 +201,7 @@ class EngineReplica:
     async def _pump(self, job: Job, push: Callable[[Any], None]) -> None:
         try:
             await job.wait_started()
-            push(Started(self.replica_id, job.queue_ms))
+            push(Started(job.queue_ms))
             while (step := await job.next_step()) is not None:
                 push(step)
         except Exception as exc:  # EngineFailed or ShuttingDown; the record follows

@@ -58,6 +58,7 @@ class Affinity:
         self._blocks: dict[str, OrderedDict[int, None]] = {}  # replica -> block keys, oldest first
         self._load: dict[str, int] = {}  # replica -> generations in flight
         self._in_flight: dict[str, str] = {}  # request id -> replica
+        self._owned: dict[str, int] = {}  # replica -> conversations it owns
 
     def choose(self, replicas: Sequence[str], route: Route) -> list[list[str]]:
         """Replicas ranked for `route`: the first rank is tried first (Serve's convention)."""
@@ -66,7 +67,10 @@ class Affinity:
         pinned = self._pinned(replicas, route.pin)
         if pinned is not None:
             return [[pinned]]
-        by_load = sorted(replicas, key=lambda replica: self._load.get(replica, 0))
+        # Among equally loaded replicas, the one that owns the fewest conversations and prefixes:
+        # new conversations spread out even when requests come one at a time.
+        by_load = sorted(replicas, key=lambda replica: (self.load(replica), self._owned.get(replica, 0),
+                                                        len(self._blocks.get(replica, ()))))
         owner = self.owner(replicas, route)
         if owner is None or self.load(owner) - self.load(by_load[0]) > self.imbalance_threshold:
             return [by_load[:1], by_load[1:]] if len(by_load) > 1 else [by_load]
@@ -74,11 +78,13 @@ class Affinity:
         return [[owner], rest] if rest else [[owner]]
 
     def owner(self, replicas: Sequence[str], route: Route) -> str | None:
-        """The replica that served this conversation last, else the one with the longest recent
-        prefix of this prompt (at least one block)."""
-        owner = self._owners.get(route.conversation) if route.conversation else None
-        if owner in replicas:
-            return owner
+        """The replica that served this conversation last; for a request without a key, the one
+        with the longest recent prefix of its prompt (at least one block). A keyed conversation
+        new here has no owner: the prefix it shares with others is the system prompt and tools,
+        cheap to hold on every replica, while each conversation's own state fills a replica."""
+        if route.conversation:
+            owner = self._owners.get(route.conversation)
+            return owner if owner in replicas else None
         keys = block_keys(route.prompt_ids)
         best, best_blocks = None, 0
         for replica in replicas:
@@ -102,10 +108,7 @@ class Affinity:
         self._load[replica] = self._load.get(replica, 0) + 1
         self._in_flight[request_id] = replica
         if route.conversation:
-            self._owners[route.conversation] = replica
-            self._owners.move_to_end(route.conversation)
-            while len(self._owners) > MAX_CONVERSATIONS:
-                self._owners.popitem(last=False)
+            self._set_owner(route.conversation, replica)
         seen = self._blocks.setdefault(replica, OrderedDict())
         for key in block_keys(route.prompt_ids):
             seen[key] = None
@@ -115,15 +118,26 @@ class Affinity:
 
     def completed(self, request_id: str) -> None:
         replica = self._in_flight.pop(request_id, None)
-        if replica is not None:
+        if replica in self._load:  # not a replica forgotten since
             self._load[replica] -= 1
 
     def forget(self, replica: str) -> None:
         """A replica died: its caches died with it."""
         self._blocks.pop(replica, None)
         self._load.pop(replica, None)
+        self._owned.pop(replica, None)
         for conversation in [c for c, owner in self._owners.items() if owner == replica]:
             del self._owners[conversation]
+
+    def _set_owner(self, conversation: str, replica: str) -> None:
+        previous = self._owners.pop(conversation, None)
+        if previous is not None:
+            self._owned[previous] -= 1
+        self._owners[conversation] = replica
+        self._owned[replica] = self._owned.get(replica, 0) + 1
+        if len(self._owners) > MAX_CONVERSATIONS:
+            _, oldest = self._owners.popitem(last=False)
+            self._owned[oldest] -= 1
 
     @staticmethod
     def _pinned(replicas: Sequence[str], pin: str | int | None) -> str | None:
