@@ -60,7 +60,8 @@ def stream_turn(client: httpx.Client, system: str, tools: list[dict], messages: 
     timings: dict = {}
     with client.stream("POST", "/v1/messages", json={
         "model": "claude-opus-4-8", "max_tokens": 64, "system": system, "tools": tools,
-        "tool_choice": {"type": "any"}, "messages": messages, "stream": True, **({"metadata": metadata} if metadata else {}),
+        "tool_choice": {"type": "any"}, "messages": messages, "stream": True,
+        **({"metadata": metadata} if metadata else {}),
     }) as response:
         event = None
         for line in response.iter_lines():

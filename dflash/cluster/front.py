@@ -33,6 +33,7 @@ from dflash.scheduler import EngineFailed, JobRecord, JobStep, QueueFull, Shutti
 log = get_logger("dflash.cluster.front")
 STATUS_TIMEOUT_S = 5.0  # a replica that cannot answer this fast is counted as down
 STATUS_POLL_S = 2.0  # how fresh /metrics' cache gauges are
+CONTROL_THREADS = 16  # status calls, grammar checks and turn checkpoints waiting at once
 
 
 class RemoteJob:
@@ -163,6 +164,10 @@ class ClusterScheduler:
         self.replicas = Replicas(expected=replicas)
         self._on_job_end = on_job_end
         self._jobs: set[RemoteJob] = set()
+        # A thread waits on each stream. Their own limiters, not trio's default one of 40
+        # threads: a full queue of streams must not keep /health from asking the replicas.
+        self._stream_threads = trio.CapacityLimiter(self.capacity)
+        self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._closed = False
         self._nursery: trio.Nursery | None = None
         self._all_ended = trio.Event()
@@ -260,7 +265,8 @@ class ClusterScheduler:
         try:
             with job._stream_scope:
                 stream = self._generate.remote(job.request, route=route)
-                while (item := await trio.to_thread.run_sync(_next_item, stream, abandon_on_cancel=True)) is not None:
+                while (item := await trio.to_thread.run_sync(_next_item, stream, abandon_on_cancel=True,
+                                                             limiter=self._stream_threads)) is not None:
                     if isinstance(item, JobRecord):
                         record = item
                     else:
@@ -297,11 +303,11 @@ class ClusterScheduler:
             await self.poll_replicas()
             await trio.sleep(STATUS_POLL_S)
 
-    @staticmethod
-    async def _call(method: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         response = method.remote(*args, **kwargs)
         try:
-            return await trio.to_thread.run_sync(response.result, abandon_on_cancel=True)
+            return await trio.to_thread.run_sync(response.result, abandon_on_cancel=True,
+                                                 limiter=self._control_threads)
         except trio.Cancelled:
             response.cancel()
             raise

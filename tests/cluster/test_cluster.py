@@ -8,11 +8,12 @@ import signal
 from functools import partial
 
 import httpx
+import pytest
 import trio
 
 from dflash.cluster.app import serve_replicas
+from dflash.engine.grammar import GrammarError
 from dflash.sampling_params import SamplingParams
-from dflash.scheduler import EngineFailed
 from tests.unit.conftest import wait_until
 from tests.unit.fakes import fake_text
 
@@ -56,6 +57,12 @@ async def test_an_overloaded_owner_hands_the_conversation_to_the_idle_replica(fr
         for job in jobs:
             job.cancel()
     await wait_until(lambda: front.state == "idle", timeout=10)
+
+
+async def test_grammars_are_checked_by_a_replica(front):
+    await front.check_grammar('start: "yes" | "no"')
+    with pytest.raises(GrammarError, match="no start rule"):
+        await front.check_grammar('stort: "yes" | "no"')
 
 
 async def test_cancelling_reaches_the_replicas_engine(front):
