@@ -39,7 +39,7 @@ CONTROL_THREADS = 16  # status calls, grammar checks and turn checkpoints waitin
 class RemoteJob:
     """A job running on some replica; the interface of dflash.scheduler.Job that replies use."""
 
-    def __init__(self, front: ClusterScheduler, request: JobRequest):
+    def __init__(self, request: JobRequest):
         self.request = request
         self.request_id = request.request_id
         self.conversation = request.conversation
@@ -49,7 +49,6 @@ class RemoteJob:
         self.cancel_reason: str | None = None
         self.replica: str | None = None  # where it waits and runs, once the replica has it
         self.last: JobStep | None = None
-        self._front = front
         self._started = trio.Event()
         self._failure: Exception | None = None
         self._ended = False
@@ -128,7 +127,7 @@ class RemoteJob:
 
 @attrs.define
 class Replicas:
-    """The replicas' last answers to `status`, and when they came."""
+    """The replicas' last answers to `status`, by replica id, and how many there should be."""
 
     statuses: dict[str, ReplicaStatus] = attrs.field(factory=dict)
     expected: int = 0
@@ -197,8 +196,8 @@ class ClusterScheduler:
             raise ShuttingDown()
         if len(self._jobs) >= self.capacity:
             raise QueueFull(self.queue_max)
-        job = RemoteJob(self, JobRequest(tuple(prompt_ids), sampling, max_tokens, request_id, tuple(snapshot_at),
-                                         top_logprobs, grammar, conversation))
+        job = RemoteJob(JobRequest(tuple(prompt_ids), sampling, max_tokens, request_id, tuple(snapshot_at),
+                                    top_logprobs, grammar, conversation))
         self._jobs.add(job)
         self._nursery.start_soon(self._stream, job)
         return job
@@ -259,7 +258,7 @@ class ClusterScheduler:
     # ---- behind the jobs ---------------------------------------------------------------------
 
     async def _stream(self, job: RemoteJob) -> None:
-        route = Route(conversation=job.conversation, prompt_ids=job.request.prompt_ids)
+        route = Route(conversation=job.conversation)
         record: JobRecord | None = None
         stream = None
         try:

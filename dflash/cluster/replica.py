@@ -6,7 +6,7 @@ cancellation at step boundaries, FIFO queue and turn checkpoints are trio code w
 whole. The two loops meet in three places: submitting a job (a quick call into trio), the job's
 items (trio pushes them onto an asyncio queue) and cancelling it (a call scheduled on trio).
 
-A generation's stream is `Queued`, `Started`, then its `JobStep`s, then an `EngineFailed` if the engine
+A generation's stream is `Queued`, `Started`, its `JobStep`s, an `EngineFailed` if the engine
 failed, and always last its `JobRecord`, so the front learns how the job ended and what it cost.
 When the front cancels the stream (its client went away), Serve cancels `generate` here and the
 job stops at its next step.
@@ -39,6 +39,7 @@ log = get_logger("dflash.cluster.replica")
 # because the router, not the replica, decides where a job waits.
 REPLICA_QUEUE_MAX = 1_000_000
 RECENT_JOBS_KEPT = 64  # jobs a turn checkpoint may still name (it arrives just after its job ends)
+# dflash.app's loader type, not imported from there: a replica has no use for the HTTP side.
 ModelLoader = Callable[[Config], tuple[contract.Engine, ModelText]]
 
 
@@ -151,7 +152,10 @@ class EngineReplica:
                 if isinstance(item, JobRecord):
                     return
         finally:
-            self._token.run_sync_soon(submitted.cancel)
+            try:
+                self._token.run_sync_soon(submitted.cancel)  # a no-op for a job that has ended
+            except trio.RunFinishedError:
+                pass  # the replica is stopping; its jobs are over
 
     async def checkpoint_turn(self, request_id: str, turn_ids: tuple[int, ...], route: Any = None) -> None:
         trio.from_thread.run_sync(self._checkpoint_turn, request_id, turn_ids, trio_token=self._token)
@@ -165,6 +169,11 @@ class EngineReplica:
         except GrammarError as exc:
             return str(exc)
         return None
+
+    def check_health(self) -> None:
+        """Serve calls this periodically: a replica whose engine loop has ended is replaced."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"replica {self.replica_id}: the engine loop has stopped")
 
     async def status(self, route: Any = None) -> ReplicaStatus:
         scheduler = self.scheduler

@@ -32,7 +32,7 @@ class Route:
     """What the router needs to know of a request, beside it in the handle call."""
 
     conversation: str | None = None
-    prompt_ids: tuple[int, ...] = ()
+    prompt_ids: tuple[int, ...] = ()  # filled in by the router from the job (see route_of)
     # A replica's unique id (a turn checkpoint goes where its generation ran; anywhere if that
     # replica is gone) or an index into the sorted replicas (status calls enumerate them).
     pin: str | int | None = None
@@ -147,8 +147,13 @@ class Affinity:
 
 
 def route_of(request: PendingRequest | None) -> Route:
+    """The request's Route, with the prompt of its job (the first argument of `generate`): the
+    front leaves the prompt out of the Route so that it crosses to the replica only once."""
     route = request.kwargs.get("route") if request is not None else None
-    return route if isinstance(route, Route) else Route()
+    if not isinstance(route, Route):
+        return Route()
+    prompt_ids = getattr(request.args[0], "prompt_ids", ()) if request.args else ()
+    return attrs.evolve(route, prompt_ids=tuple(prompt_ids)) if prompt_ids else route
 
 
 class AffineRouter(RequestRouter):

@@ -46,6 +46,15 @@ async def test_conversations_stay_on_their_replica_and_spread(front):
     assert len(set.union(*homes.values())) == 2
 
 
+async def test_without_a_key_a_shared_prefix_finds_its_replica(front):
+    """The router reads the prompt from the job itself (the Route leaves it out)."""
+    shared = list(range(200))
+    first, second = submit(front, None, prompt=shared + [1]), submit(front, None, prompt=shared + [2, 3])
+    await run_to_end(first)
+    await run_to_end(second)
+    assert first.replica == second.replica
+
+
 async def test_an_overloaded_owner_hands_the_conversation_to_the_idle_replica(front):
     jobs = []
     for _ in range(3):  # imbalance_threshold = 1: the third is 2 past the idle replica
