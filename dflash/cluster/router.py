@@ -4,8 +4,8 @@ A replica's caches (live KV state, agent turn snapshot, prefix snapshots) only h
 that come back to it, so a conversation sticks to the replica that served it last: found by the
 conversation key the client sent, else by the longest prompt prefix that replica has seen
 recently (a record of chained block hashes per replica, the approach of Ray Serve LLM's
-PrefixCacheAffinityRouter and the SGLang/vLLM `cache_aware` routers). When the owner has
-`imbalance_threshold` more generations in flight than the least loaded replica, the request goes
+PrefixCacheAffinityRouter and the SGLang/vLLM `cache_aware` routers). When the owner has more
+than `imbalance_threshold` generations in flight beyond the least loaded replica, the request goes
 to the least loaded one instead and that one becomes the owner: a warm cache is not worth a queue.
 
 `Affinity` is the policy, plain Python; the Ray Serve `RequestRouter` classes below adapt it (and
@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import attrs
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+# Serve's default router is not part of its public request-router API (2.60); the pinned
+# version in pyproject keeps this import stable.
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
 BLOCK_TOKENS = 64  # prefix granularity: a shorter common prefix saves too little prefill to matter
