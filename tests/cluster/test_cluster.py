@@ -96,7 +96,25 @@ async def test_cancelling_reaches_the_replicas_engine(front):
     assert records[0].outcome == "cancelled" and records[0].phase == "decode"
 
 
-async def test_a_killed_replica_fails_its_requests_in_the_dialect_and_is_replaced(fake_deployment, front, nursery):
+async def test_a_client_that_goes_away_stops_the_replicas_engine(fake_deployment, nursery):
+    app = await nursery.start(partial(serve_replicas, fake_deployment.config, fake_deployment.handle,
+                                      handle_signals=False, text_loader=lambda config, facts: fake_text(facts.max_ctx)))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.port}", timeout=30) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if '"content"' in line:
+                    break  # leaving the block closes the connection mid-stream
+    began = trio.current_time()
+    await wait_until(lambda: app.scheduler.state == "idle", timeout=5)
+    with trio.fail_after(5):
+        while any(status.state != "idle" for status in (await app.scheduler.poll_replicas()).statuses.values()):
+            await trio.sleep(0.02)
+    assert trio.current_time() - began < 2
+    app.shutdown()
+
+
+async def test_a_killed_replica_fails_its_requests_in_the_dialect_and_is_replaced(fake_deployment, nursery):
     config = fake_deployment.config
     app = await nursery.start(partial(serve_replicas, config, fake_deployment.handle, handle_signals=False,
                                       text_loader=lambda config, facts: fake_text(facts.max_ctx)))
