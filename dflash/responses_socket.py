@@ -27,8 +27,8 @@ from dflash.http.server import Request, RequestDone, RequestObserver
 from dflash.http.websocket import WebSocket, WebSocketClosed
 from dflash.logs import get_logger
 from dflash.protocols import fields, responses
-from dflash.protocols.errors import APIError, openai_error_body
 from dflash.protocols.conversation import conversation_key
+from dflash.protocols.errors import APIError, openai_error_body
 from dflash.protocols.response_store import ResponseStore
 from dflash.reply import Replies
 from dflash.responses_turn import begin_turn
