@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import trio
 
-from dflash.cluster.replica import JobRequest, Queued, ReplicaStatus, Started
+from dflash.cluster.replica import JobRequest, Queued, Refused, ReplicaStatus, Started
 from dflash.cluster.router import Route
 from dflash.engine import contract
 from dflash.engine.grammar import GrammarError
@@ -103,6 +103,8 @@ class RemoteJob:
             self.last = item
             if not self._ended and not self.cancelled:
                 self._send.send_nowait(item)
+        elif isinstance(item, Refused):
+            self._fail(ShuttingDown())
         elif isinstance(item, Exception):
             self._fail(item)
 
@@ -283,9 +285,10 @@ class ClusterScheduler:
             if not self._jobs:
                 self._all_ended.set()
                 self._all_ended = trio.Event()
-        if record is None:  # cancelled here before the replica's record came
-            record = JobRecord(job.request_id, "cancelled", job.phase, job.cancel_reason or "abandoned",
-                               job.queue_ms / 1000, job.last.stats if job.last else None)
+        if record is None:  # cancelled here before the replica's record came, or refused there
+            reason = "shutdown" if isinstance(job._failure, ShuttingDown) else job.cancel_reason or "abandoned"
+            record = JobRecord(job.request_id, "cancelled", job.phase, reason, job.queue_ms / 1000,
+                               job.last.stats if job.last else None)
         try:
             self._on_job_end(record)
         except Exception:

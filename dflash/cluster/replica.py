@@ -7,7 +7,8 @@ whole. The two loops meet in three places: submitting a job (a quick call into t
 items (trio pushes them onto an asyncio queue) and cancelling it (a call scheduled on trio).
 
 A generation's stream is `Queued`, `Started`, its `JobStep`s, an `EngineFailed` if the engine
-failed, and always last its `JobRecord`, so the front learns how the job ended and what it cost.
+failed, and always last its `JobRecord`, so the front learns how the job ended and what it cost;
+or `Refused` alone when the replica is shutting down.
 When the front cancels the stream (its client went away), Serve cancels `generate` here and the
 job stops at its next step.
 """
@@ -32,7 +33,7 @@ from dflash.engine.grammar import GrammarError
 from dflash.logs import get_logger
 from dflash.reply import ModelText
 from dflash.sampling_params import SamplingParams
-from dflash.scheduler import EngineWorker, Job, JobRecord, Scheduler
+from dflash.scheduler import EngineFailed, EngineWorker, Job, JobRecord, Scheduler, ShuttingDown
 
 log = get_logger("dflash.cluster.replica")
 # The front admits jobs (server.queue_max per replica); a replica queues whatever it is sent,
@@ -60,6 +61,12 @@ class JobRequest:
 @attrs.frozen
 class Queued:
     replica: str  # the replica's unique id: where its turn checkpoint must go
+
+
+@attrs.frozen
+class Refused:
+    """The replica is shutting down (Serve is replacing or removing it): the front answers 503.
+    A value rather than ShuttingDown itself, which does not survive pickling."""
 
 
 @attrs.frozen
@@ -144,7 +151,11 @@ class EngineReplica:
         def push(item: Any) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        submitted = trio.from_thread.run_sync(self._submit, job, push, trio_token=self._token)
+        try:
+            submitted = trio.from_thread.run_sync(self._submit, job, push, trio_token=self._token)
+        except (ShuttingDown, trio.RunFinishedError):
+            yield Refused()
+            return
         try:
             while True:
                 item = await items.get()
@@ -213,7 +224,9 @@ class EngineReplica:
             push(Started(job.queue_ms))
             while (step := await job.next_step()) is not None:
                 push(step)
-        except Exception as exc:  # EngineFailed or ShuttingDown; the record follows
+        except ShuttingDown:  # the record follows
+            push(Refused())
+        except EngineFailed as exc:
             push(exc)
 
     def _job_ended(self, record: JobRecord) -> None:
