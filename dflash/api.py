@@ -29,6 +29,7 @@ from dflash.http.sse import frame, open_sse_stream
 from dflash.http.websocket import HandshakeRefused, accept_websocket
 from dflash.metrics import Metrics
 from dflash.protocols import anthropic, openai_chat, responses
+from dflash.protocols.conversation import conversation_key
 from dflash.protocols.errors import APIError, anthropic_error_body, openai_error_body
 from dflash.protocols.openai_chat import CompletionHeader
 from dflash.protocols.response_store import ResponseStore
@@ -180,7 +181,11 @@ class API:
             return Response(200, self._page, (("content-type", "text/html; charset=utf-8"), ("vary", "Accept"),
                                               ("cache-control", "no-cache"),
                                               ("content-security-policy", PAGE_POLICY)))
-        return Response.json(200, {
+        return Response.json(200, self.status_body(), headers=[("vary", "Accept")])
+
+    def status_body(self) -> dict[str, Any]:
+        """What `GET /` answers an API client (a cluster adds its replicas)."""
+        return {
             "status": "ok",
             "model": self._model.model_id,
             "state": self._scheduler.state,
@@ -192,7 +197,7 @@ class API:
             "build": self._build,
             "settings": settings_of(self._config),
             "recent_requests": list(self._metrics.recent),
-        }, headers=[("vary", "Accept")])
+        }
 
     async def metrics(self, request: Request, writer: ResponseWriter) -> Response:
         body, content_type = self._metrics.exposition(request.header("accept"))
@@ -245,7 +250,8 @@ class API:
     async def chat_completions(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "openai_chat"
         chat = openai_chat.parse_request(request.body)
-        reply = self.replies.prepare(chat, call_id=new_call_id, request_id=request.id)
+        reply = self.replies.prepare(chat, call_id=new_call_id, request_id=request.id,
+                                     conversation=conversation_key(session_header=request.header("session_id")))
         header = CompletionHeader(id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
                                   model=chat.model or self._model.model_id)
         return await self._answer(request, writer, reply, openai_chat.ChatCompletionRender(header, chat))
@@ -253,7 +259,9 @@ class API:
     async def messages(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "anthropic"
         message = anthropic.parse_request(request.body)
-        reply = self.replies.prepare(message, call_id=anthropic.new_tool_use_id, request_id=request.id)
+        reply = self.replies.prepare(message, call_id=anthropic.new_tool_use_id, request_id=request.id,
+                                     conversation=conversation_key(session_header=request.header("session_id"),
+                                                                   metadata=message.metadata))
         render = anthropic.MessageRender(f"msg_{secrets.token_hex(12)}", message.model or self._model.model_id,
                                          prompt_tokens=len(reply.prompt.token_ids),
                                          thinking=message.thinking.enabled is True)
@@ -266,7 +274,10 @@ class API:
         # Operators (and the real-client tests) see which turns continued a stored one.
         request.log["previous_response_id"] = parsed.previous_response_id
         turn = begin_turn(self.responses, parsed, owner=owner)
-        reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
+        conversation = conversation_key(session_header=request.header("session_id"),
+                                        prompt_cache_key=parsed.prompt_cache_key)
+        reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id,
+                                     conversation=conversation)
         render = turn.renderer(self._model.model_id)
         answer = await self._answer(request, writer, reply, render)
         turn.store(self.responses, render, owner=owner)

@@ -117,31 +117,39 @@ async def serve(config: Config, *, loader: ModelLoader = load_served_model, hand
         metrics = Metrics(build=build_info(config, model), load_seconds=time.perf_counter() - loading_began,
                           endpoints=ROUTED_PATHS)
         scheduler = Scheduler(engine, worker, queue_max=config.server.queue_max, on_job_end=metrics.job_ended)
-        router = API(model, scheduler, config, metrics).router()
-        http = HTTPServer(router, limits_of(config), common_headers=router.common_headers,
-                          error_response=error_response, on_request=metrics.request_done)
-        metrics.watch(queued=lambda: scheduler.queue_depth, running=lambda: scheduler.running,
-                      in_flight=lambda: http.active_requests, cache_stats=lambda: scheduler.cache_stats)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(scheduler.run)
-            listeners = await trio.open_tcp_listeners(config.server.port, host=config.server.host)
-            await nursery.start(http.serve, listeners)
-            port = listeners[0].socket.getsockname()[1]
-            app = App(config=config, port=port, scheduler=scheduler, http=http)
-            if handle_signals:
-                nursery.start_soon(_shutdown_on_signals, app)
-            log.info("started", version=__version__, model=model.model_id, source=config.model.source,
-                     dtype=config.model.dtype, listening=f"http://{config.server.host}:{port}",
-                     config=config_summary(config))
-            for warning in exposure_warnings(config.server):
-                log.warning("exposed", message=warning)
-            task_status.started(app)
-            await app._shutdown_requested.wait()
-            await app._drain()
-            nursery.cancel_scope.cancel()
+        await serve_front(config, model, scheduler, metrics, api=API(model, scheduler, config, metrics),
+                          handle_signals=handle_signals, task_status=task_status)
         with trio.CancelScope(shield=True):  # snapshots still queued for the disk cache get written
             await worker.call(engine.close)
     log.info("stopped")
+
+
+async def serve_front(config: Config, model: ModelText, scheduler: Scheduler, metrics: Metrics, *, api: API,
+                      handle_signals: bool, task_status) -> None:
+    """Run `scheduler` and the HTTP server until shutdown, then drain. Shared by `dflash run` and
+    `dflash cluster`, whose scheduler forwards jobs to replicas (dflash/cluster/front.py)."""
+    router = api.router()
+    http = HTTPServer(router, limits_of(config), common_headers=router.common_headers,
+                      error_response=error_response, on_request=metrics.request_done)
+    metrics.watch(queued=lambda: scheduler.queue_depth, running=lambda: scheduler.running,
+                  in_flight=lambda: http.active_requests, cache_stats=lambda: scheduler.cache_stats)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        listeners = await trio.open_tcp_listeners(config.server.port, host=config.server.host)
+        await nursery.start(http.serve, listeners)
+        port = listeners[0].socket.getsockname()[1]
+        app = App(config=config, port=port, scheduler=scheduler, http=http)
+        if handle_signals:
+            nursery.start_soon(_shutdown_on_signals, app)
+        log.info("started", version=__version__, model=model.model_id, source=config.model.source,
+                 dtype=config.model.dtype, listening=f"http://{config.server.host}:{port}",
+                 config=config_summary(config))
+        for warning in exposure_warnings(config.server):
+            log.warning("exposed", message=warning)
+        task_status.started(app)
+        await app._shutdown_requested.wait()
+        await app._drain()
+        nursery.cancel_scope.cancel()
 
 
 async def _shutdown_on_signals(app: App) -> None:

@@ -1,6 +1,7 @@
 """The `dflash` command. Each subcommand is a parser plus one function that returns the exit code.
 
     dflash run CONFIG.toml [--host HOST] [--port PORT] [--model SOURCE]
+    dflash cluster CONFIG.toml [--host HOST] [--port PORT] [--model SOURCE]   (replicas on Ray Serve)
     dflash chat "PROMPT" [--model SOURCE] [--dtype bfloat16] [--max-tokens N] [--threads N]
     dflash train-drafter --target MODEL --out DIR [--layers N] [--block-size B] [--steps N] [--resume] ...
     dflash cache ls [CONFIG.toml] [--disk-dir DIR]
@@ -15,6 +16,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -28,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"dflash {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(commands)
+    _add_cluster(commands)
     _add_chat(commands)
     _add_train_drafter(commands)
     _add_cache(commands)
@@ -44,7 +47,17 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _add_cluster(commands: argparse._SubParsersAction) -> None:
+    cluster = commands.add_parser("cluster", help="serve over HTTP in front of engine replicas on Ray Serve "
+                                                  "([cluster] in the config; needs the `cluster` extra)")
+    cluster.add_argument("config", help="TOML config file with a [cluster] table")
+    cluster.add_argument("--host", help="listen address; overrides server.host")
+    cluster.add_argument("--port", type=int, help="listen port; overrides server.port")
+    cluster.add_argument("--model", help="model source; overrides model.source")
+    cluster.set_defaults(handler=partial(_run, clustered=True))
+
+
+def _run(args: argparse.Namespace, clustered: bool = False) -> int:
     try:
         config = with_overrides(load_config(args.config), host=args.host, port=args.port, model=args.model)
     except ConfigError as exc:
@@ -52,7 +65,14 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     logs.configure(config.logging.level, config.logging.format)
     # Imported after the config is known good: the server pulls in torch, which takes seconds.
-    from dflash.app import serve
+    if clustered:
+        try:
+            from dflash.cluster.app import serve_cluster as serve
+        except ImportError as exc:
+            print(f"dflash: `dflash cluster` needs Ray Serve: pip install 'dflash[cluster]' ({exc})", file=sys.stderr)
+            return 2
+    else:
+        from dflash.app import serve
 
     try:
         trio.run(serve, config)

@@ -137,6 +137,27 @@ class LoggingConfig:
     log_text: bool = False
 
 
+def _ray_address(instance, attribute, value):
+    if value not in ("auto", "local") and not value.startswith("ray://"):
+        raise _Invalid(value, "'auto', 'local' or a 'ray://host:port' address", key=attribute.name)
+
+
+@attrs.frozen
+class ClusterConfig:
+    """`dflash cluster`: engine replicas on Ray Serve behind one HTTP front (dflash/cluster/)."""
+
+    replicas: int = attrs.field(default=2, validator=_ints(1))
+    # "local" starts a Ray instance for this process; "auto" joins the one `ray start` began on
+    # this machine; "ray://host:10001" reaches a cluster's head through Ray Client.
+    address: str = attrs.field(default="local", validator=_ray_address)
+    # Passed to Serve for each replica: num_cpus, num_gpus, resources, runtime_env...
+    ray_actor_options: dict[str, Any] = attrs.field(factory=lambda: {"num_cpus": 1})
+    router: str = attrs.field(default="affine", validator=_one_of("affine", "power_of_two"))
+    # How many more generations in flight a conversation's replica may have than the least
+    # loaded one before the conversation moves there.
+    imbalance_threshold: int = attrs.field(default=2, validator=_ints(0))
+
+
 @attrs.frozen
 class Config:
     server: ServerConfig = attrs.Factory(ServerConfig)
@@ -144,6 +165,7 @@ class Config:
     speculative: SpeculativeConfig = attrs.Factory(SpeculativeConfig)
     cache: CacheConfig = attrs.Factory(CacheConfig)
     logging: LoggingConfig = attrs.Factory(LoggingConfig)
+    cluster: ClusterConfig = attrs.Factory(ClusterConfig)
 
 
 def _strict(expected_type: type, expected: str):

@@ -76,6 +76,7 @@ class Reply:
     max_tokens: int
     call_id: Callable[[], str]
     request_id: str = ""  # for the scheduler's log lines
+    conversation: str | None = None  # the client's session id (protocols/conversation.py); a cluster routes by it
     constraint: Constraint | None = None  # what the reply must follow (output format, forced tool call)
     grammar: str | None = None  # the constraint compiled and checked, once submitted
     usage: Usage = Usage()
@@ -127,13 +128,14 @@ class Replies:
             raise APIError(400, f"the conversation cannot be rendered with the model's chat template: {exc}",
                            param="messages") from None
 
-    def prepare(self, request: GenerationRequest, *, call_id: Callable[[], str], request_id: str = "") -> Reply:
+    def prepare(self, request: GenerationRequest, *, call_id: Callable[[], str], request_id: str = "",
+                conversation: str | None = None) -> Reply:
         """Render and check what can be checked without the engine; APIError (400) if refused."""
         prompt = self.render_prompt(request)
         self._check_logit_bias(request)
         max_tokens = self._fit_max_tokens(len(prompt.token_ids), request.max_tokens)
         constraint = reply_constraint(request, starts_in_thinking=prompt.starts_in_thinking)
-        return Reply(request, prompt, max_tokens, call_id, request_id, constraint)
+        return Reply(request, prompt, max_tokens, call_id, request_id, conversation, constraint)
 
     async def submit(self, reply: Reply) -> Job:
         """Check the reply's grammar with the engine (an invalid schema is a 400) and queue its
@@ -254,7 +256,7 @@ class Replies:
             return self._scheduler.submit(reply.prompt.token_ids, request.sampling, reply.max_tokens,
                                           request_id=reply.request_id, snapshot_at=reply.prompt.snapshot_at,
                                           top_logprobs=request.top_logprobs if request.logprobs else None,
-                                          grammar=reply.grammar)
+                                          grammar=reply.grammar, conversation=reply.conversation)
         except QueueFull as exc:
             raise APIError(429, str(exc), headers=[("retry-after", str(RETRY_AFTER_S))]) from None
         except ShuttingDown as exc:

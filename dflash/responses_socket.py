@@ -27,6 +27,7 @@ from dflash.http.server import Request, RequestDone, RequestObserver
 from dflash.http.websocket import WebSocket, WebSocketClosed
 from dflash.logs import get_logger
 from dflash.protocols import fields, responses
+from dflash.protocols.conversation import conversation_key
 from dflash.protocols.errors import APIError, openai_error_body
 from dflash.protocols.response_store import ResponseStore
 from dflash.reply import Replies
@@ -120,7 +121,11 @@ class ResponsesSocket:
             await self._send(render.opening() + render.finish_without_output())
             self._chain.put(render.response_id, render.body(), turn.conversation(()), self._owner)
             return
-        reply = self._replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
+        # The upgrade request's headers carry Codex's session_id for every response on this socket.
+        conversation = conversation_key(session_header=request.header("session_id"),
+                                        prompt_cache_key=parsed.prompt_cache_key)
+        reply = self._replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id,
+                                      conversation=conversation)
         first_job = await self._replies.submit(reply)  # refusals come before anything is sent
         try:
             stream = _TickingStream(self._send, render, self._keepalive_s)

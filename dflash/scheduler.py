@@ -138,7 +138,7 @@ class Job:
 
     def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                  request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-                 grammar: str | None = None):
+                 grammar: str | None = None, conversation: str | None = None):
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.max_tokens = max_tokens
@@ -146,6 +146,7 @@ class Job:
         self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
         self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
         self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
+        self.conversation = conversation  # the client's session id, when it sent one (a cluster routes by it)
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
@@ -260,7 +261,7 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-               grammar: str | None = None) -> Job:
+               grammar: str | None = None, conversation: str | None = None) -> Job:
         """Queue a job; raise QueueFull or ShuttingDown at once rather than make the client wait."""
         if self._closed:
             raise ShuttingDown()
@@ -269,7 +270,7 @@ class Scheduler:
         waiting = len(self._queue) - (0 if self._running is not None else 1)
         if waiting >= self.queue_max:
             raise QueueFull(self.queue_max)
-        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs, grammar)
+        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs, grammar, conversation)
         self._queue.append(job)
         self._job_arrived.set()
         return job

@@ -227,16 +227,33 @@ class DiskCache:
                 log.warning("disk_cache_leftover_removed", path=str(path))
                 path.unlink(missing_ok=True)
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
-            try:
-                header, _ = read_header(path)
-                if header.get("identity") != self.identity:
-                    raise CorruptSnapshot("made by another model, dtype, context size or chat template")
-                tokens = tuple(header["tokens"])
-                size = path.stat().st_size
-            except (CorruptSnapshot, OSError, KeyError, TypeError) as exc:
-                self._discard(path, exc)
-                continue
-            self._entries[path.stem] = DiskEntry(tokens, path, size)
+            self._index(path)
+
+    def _index(self, path: Path) -> None:
+        try:
+            header, _ = read_header(path)
+            if header.get("identity") != self.identity:
+                raise CorruptSnapshot("made by another model, dtype, context size or chat template")
+            tokens = tuple(header["tokens"])
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return  # trimmed by another process between the listing and the read
+        except (CorruptSnapshot, OSError, KeyError, TypeError) as exc:
+            self._discard(path, exc)
+            return
+        self._entries[path.stem] = DiskEntry(tokens, path, size)
+
+    def _index_new_files(self) -> None:
+        """Index the snapshots other processes wrote to the folder since: the replicas of a
+        cluster share one disk_dir, so a conversation that moves to another replica restores
+        from the snapshot its old replica wrote. Only names not yet known cost a header read."""
+        try:
+            names = [entry.name for entry in os.scandir(self.folder) if entry.name.endswith(SUFFIX)]
+        except OSError:
+            return
+        for name in names:
+            if name[: -len(SUFFIX)] not in self._entries:
+                self._index(self.folder / name)
 
     def _discard(self, path: Path, reason: Exception) -> None:
         log.warning("disk_cache_file_skipped", path=str(path), reason=str(reason))
@@ -248,6 +265,8 @@ class DiskCache:
     def lookup(self, prompt: Sequence[int], deeper_than: int) -> LoadedSnapshot | None:
         """The deepest readable snapshot that is a proper prefix of `prompt` and longer than
         `deeper_than` tokens; unreadable candidates are removed on the way."""
+        if self.folder is not None:
+            self._index_new_files()
         candidates = sorted(
             # (a copy: the writer thread may trim entries meanwhile)
             (e for e in list(self._entries.values()) if deeper_than < len(e.tokens) < len(prompt)),
