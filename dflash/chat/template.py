@@ -145,7 +145,7 @@ def render_prompt(tokenizer, messages: list[dict[str, Any]], *, add_generation_p
 
 def _template_messages(messages: Sequence[Message], tools: Sequence[ToolSpec], *, native: bool,
                        memory: ToolMemory | None, preserve_thinking: bool) -> list[dict[str, Any]]:
-    messages = _merged_leading_system(messages)
+    messages = _merged_leading_system(_context_before_questions(messages))
     if tools and not native:
         prompt = builtin_tool_prompt(tools)
         if messages and messages[0].role == "system":
@@ -170,6 +170,24 @@ def _template_messages(messages: Sequence[Message], tools: Sequence[ToolSpec], *
     for entry in rendered:
         entry.pop("tool_results", None)
     return rendered
+
+
+def _context_before_questions(messages: Sequence[Message]) -> list[Message]:
+    """System messages that follow a user message go before it. Claude Code appends its lists of
+    agents and skills (~1.5K tokens) as a system message after the user's question; read last, a
+    small model continues the list instead of answering (measured on the embedded model: 150
+    tokens of list, no answer; with the list first it answered and stopped). Applied to every
+    turn alike, so a conversation renders the same way in each request and stays cached."""
+    ordered: list[Message] = []
+    question_at: int | None = None  # where the user message that the system messages follow sits
+    for message in messages:
+        if message.role == "system" and question_at is not None:
+            ordered.insert(question_at, message)
+            question_at += 1
+            continue
+        question_at = len(ordered) if message.role == "user" else None
+        ordered.append(message)
+    return ordered
 
 
 def _merged_leading_system(messages: Sequence[Message]) -> list[Message]:

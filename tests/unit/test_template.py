@@ -63,11 +63,24 @@ def test_thinking_switch_and_template_kwargs():
 def test_leading_system_messages_merge_and_the_billing_header_goes():
     request = GenerationRequest((
         Message("system", "x-anthropic-billing-header: cc_version=1; cch=abc;\nYou are Claude Code."),
-        Message("system", "Be careful."), Message("user", "hi"), Message("system", "A reminder.")))
+        Message("system", "Be careful."), Message("user", "hi")))
     text = FAKE_TEMPLATE.render(request).text
     assert text.startswith("<|im_start|>system\nYou are Claude Code.\n\nBe careful.<|im_end|>\n")
     assert "billing" not in text
-    assert "<|im_start|>system\nA reminder.<|im_end|>" in text
+
+
+def test_system_messages_after_a_question_are_read_before_it():
+    """Claude Code sends its agent and skill lists as a system message after the user's question:
+    the question must stay the last thing before the answer, the same way in every later turn."""
+    first = (Message("system", "You are Claude Code."), Message("user", "Say hello."),
+             Message("system", "Available agents: Explore, Plan."))
+    text = FAKE_TEMPLATE.render(GenerationRequest(first)).text
+    assert text.startswith("<|im_start|>system\nYou are Claude Code.\n\nAvailable agents: Explore, Plan.<|im_end|>\n"
+                           "<|im_start|>user\nSay hello.<|im_end|>\n")
+    later = FAKE_TEMPLATE.render(GenerationRequest(
+        (*first, Message("assistant", "Hello."), Message("user", "Again."), Message("system", "A reminder.")))).text
+    assert later.startswith(text.removesuffix("<|im_start|>assistant\n"))  # turn 1 is a prefix: cached
+    assert later.index("A reminder.") < later.index("Again.")
 
 
 def test_boundaries_are_token_positions_after_each_turn_end():
