@@ -97,18 +97,21 @@ def droppable_chunks(length: int, protected: Sequence[Span], chunk_tokens: int) 
     return chunks
 
 
-def tail_ngram_chunks(tokens: Sequence[int], chunks: Sequence[Span], n: int = TAIL_NGRAM,
-                      tail: int = TAIL_TOKENS) -> set[int]:
-    """Indices of the chunks where an n-gram of the prompt's last `tail` tokens occurs."""
+def tail_ngram_chunks(tokens: Sequence[int], chunks: Sequence[Span], protected: Sequence[Span] = (),
+                      n: int = TAIL_NGRAM, tail: int = TAIL_TOKENS) -> set[int]:
+    """Indices of the chunks where an n-gram of the prompt's tail occurs, and of their neighbours
+    (what a question names is usually followed by its answer). The tail is the last `tail`
+    tokens, or less: only the protected span that ends the prompt (the last user turn)."""
     tail_start = max(0, len(tokens) - tail)
+    last = max(protected, key=lambda span: span[1], default=None)
+    if last is not None and last[1] >= len(tokens):
+        tail_start = max(tail_start, last[0])
     grams = {tuple(tokens[i:i + n]) for i in range(tail_start, len(tokens) - n + 1)}
     hits: set[int] = set()
     for index, (start, end) in enumerate(chunks):
-        if end > tail_start:
-            continue  # the tail itself
-        # n-grams that start in the chunk (they may run into the next one)
-        if any(tuple(tokens[i:i + n]) in grams for i in range(start, min(end, len(tokens) - n + 1))):
-            hits.add(index)
+        # n-grams that start in the chunk (they may run into the next one), outside the tail
+        if any(tuple(tokens[i:i + n]) in grams for i in range(start, min(end, tail_start - n + 1))):
+            hits.update(i for i in (index - 1, index, index + 1) if 0 <= i < len(chunks))
     return hits
 
 
@@ -334,6 +337,6 @@ class PromptCompressor:
         layer_scores = yield from self.scorer.steps(plan.tokens)
         protected = (*plan.protected, (0, cached))
         chunks = droppable_chunks(len(plan.tokens), protected, self.settings.chunk_tokens)
-        forced = tail_ngram_chunks(plan.tokens, chunks) if self.settings.tail_ngrams else set()
+        forced = tail_ngram_chunks(plan.tokens, chunks, protected) if self.settings.tail_ngrams else set()
         return select_positions(combine(layer_scores), protected, keep_tokens, self.settings.chunk_tokens,
                                 forced, chunks)
