@@ -5,8 +5,9 @@ Token ids in, kept positions out (see ../../shared/notes/pflash.md for the metho
 
 1. The scorer (by default the target's own first N layers, `self:N`) prefills the prompt into a
    scratch KV cache of its own, in bounded steps the generation takes one at a time.
-2. The queries of the last `lookahead` prompt tokens attend over all the prompt's keys (before
-   RoPE by default), per scorer layer: softmax(q·Kᵀ/√d), causal.
+2. The queries of the last `lookahead` prompt tokens attend over all the prompt's keys (after
+   RoPE by default: on the embedded model it kept more needles than before RoPE; README, Numbers),
+   per scorer layer: softmax(q·Kᵀ/√d), causal.
 3. Max over heads and layers, mean over the lookahead rows, a moving average of width 13 -> one
    score per token; then a mean per chunk of `chunk_tokens` droppable tokens.
 4. Protected spans (the chat template's structure, tool definitions, the last user turn, the
@@ -50,7 +51,7 @@ class CompressionSettings:
     chunk_tokens: int = 32
     scorer: str = "self:8"  # "self:N": the target's first N layers; or a model source (same vocabulary)
     lookahead: int = 8  # tail tokens whose queries score the prompt
-    pre_rope: bool = True  # score with queries and keys before RoPE (position-free similarity)
+    pre_rope: bool = False  # score with queries and keys before RoPE (position-free similarity)
     tail_ngrams: bool = True  # force chunks holding an n-gram of the prompt's tail
 
     def __attrs_post_init__(self):
@@ -171,7 +172,7 @@ class AttentionScorer:
     """Scores a prompt with the first `layers` decoder layers of `model` (the target itself, or a
     smaller model of the same vocabulary), in a scratch KV cache sized to the prompt."""
 
-    def __init__(self, model, layers: int, *, lookahead: int = 8, pre_rope: bool = True, chunk: int = 512):
+    def __init__(self, model, layers: int, *, lookahead: int = 8, pre_rope: bool = False, chunk: int = 512):
         if not 1 <= layers <= model.args.num_layers:
             raise ValueError(f"the scorer needs 1 to {model.args.num_layers} layers, got {layers}")
         self.model = model

@@ -127,3 +127,34 @@ def test_the_template_protects_all_but_earlier_message_contents():
 def test_a_single_user_turn_is_protected_whole():
     prompt = FAKE_TEMPLATE.render(GenerationRequest((Message("user", "only this"),)))
     assert prompt.protected == ((0, len(prompt.token_ids)),)
+
+
+def replies(max_ctx: int, compresses_to_fit: bool):
+    import attrs
+
+    from dflash.reply import Replies
+    from tests.unit.fakes import fake_text
+
+    class NoScheduler:
+        async def check_grammar(self, grammar):
+            raise AssertionError("not needed")
+
+    return Replies(attrs.evolve(fake_text(max_ctx), compresses_to_fit=compresses_to_fit), NoScheduler())
+
+
+def long_history(last: str) -> GenerationRequest:
+    return GenerationRequest((Message("user", "filler " * 80), Message("assistant", "ok"), Message("user", last)),
+                             max_tokens=50)
+
+
+async def test_fit_lets_a_prompt_longer_than_the_context_through_when_its_protected_part_fits():
+    from dflash.protocols.errors import APIError
+
+    reply = replies(300, compresses_to_fit=True).prepare(long_history("short?"), call_id=lambda: "c")
+    assert len(reply.prompt.token_ids) > 300 and reply.max_tokens == 50  # the engine clamps after compressing
+    assert reply.prompt.protected
+    with pytest.raises(APIError) as refused:  # what must be kept does not fit
+        replies(300, compresses_to_fit=True).prepare(long_history("long " * 80), call_id=lambda: "c")
+    assert refused.value.status == 400
+    with pytest.raises(APIError):  # compression off: refused as before
+        replies(300, compresses_to_fit=False).prepare(long_history("short?"), call_id=lambda: "c")
