@@ -24,6 +24,7 @@ prefix caches hold, and is not recompressed.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
@@ -79,12 +80,11 @@ def self_scorer_layers(scorer: str) -> int | None:
 def droppable_chunks(length: int, protected: Sequence[Span], chunk_tokens: int) -> list[Span]:
     """The unprotected positions of a `length`-token prompt, cut into chunks of at most
     `chunk_tokens` (a chunk never spans a protected token)."""
-    keep = torch.zeros(length, dtype=torch.bool)
+    flags = [False] * length
     for start, end in protected:
-        keep[max(0, start):max(0, min(end, length))] = True
+        flags[max(0, start):max(0, min(end, length))] = [True] * max(0, min(end, length) - max(0, start))
     chunks: list[Span] = []
     position = 0
-    flags = keep.tolist()
     while position < length:
         if flags[position]:
             position += 1
@@ -312,8 +312,6 @@ def continue_compressed(memory: CompressedPrompts, prompt: Sequence[int], protec
 def kept_boundaries(snapshot_at: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
     """Message boundaries in the kept prompt: a boundary after position p becomes the number of
     kept positions before p."""
-    import bisect
-
     return tuple(sorted({bisect.bisect_left(kept, p) for p in snapshot_at}))
 
 

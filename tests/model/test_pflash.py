@@ -103,3 +103,21 @@ def test_first_layers_write_the_same_keys_as_the_full_model():
     torch.testing.assert_close(partial.keys[:, :, :40], full.keys[:2, :, :40])
     scores = AttentionScorer(model, 2, lookahead=8, chunk=16).score(PROMPT[:40])
     assert scores.shape == (40,) and torch.isfinite(scores).all()
+
+
+def test_a_separate_model_of_the_same_vocabulary_can_score(tmp_path):
+    import pytest
+
+    from dflash.engine.loading import ModelLoadError, prompt_compressor
+
+    target = ours_from_hf(tiny_hf_model("llama"))
+    tiny_hf_model("qwen2", seed=1).save_pretrained(tmp_path / "scorer")
+    settings = CompressionSettings(mode="always", keep_ratio=0.3, chunk_tokens=8, scorer=str(tmp_path / "scorer"))
+    compressor = prompt_compressor(settings, target, "native", tmp_path, "float32", MAX_CTX)
+    assert compressor.scorer.model is not target and compressor.scorer.layers == 3
+    engine = Engine(target, max_ctx=MAX_CTX, prefill_chunk=16, compressor=compressor)
+    generation, out = greedy(engine, PROMPT, 3, protected=[TAIL])
+    assert set(range(*TAIL)) <= set(generation.kept_positions) and len(out) == 3
+    with pytest.raises(ModelLoadError, match="layers"):
+        prompt_compressor(CompressionSettings(mode="auto", scorer="self:9"), target, "native", tmp_path, "float32", 64)
+    assert prompt_compressor(CompressionSettings(), target, "native", tmp_path, "float32", 64) is None
