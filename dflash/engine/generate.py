@@ -135,6 +135,8 @@ class Engine:
         Usually only the closing tokens are new; where the rendering tokenizes the generated text
         differently, the differing tail is recomputed (while the server is idle) if
         `agent_turn_replay` is on, else nothing is done. Returns the committed length."""
+        if self.compressor is not None:  # a compressed conversation's turn follows its kept tokens
+            tokens = self.compressor.continued(tokens, (), ()).tokens
         if len(tokens) > self.max_ctx:
             return self.kv.length
         kept = self.prefix_reuse.rewind_for_turn(tokens)

@@ -121,3 +121,12 @@ def test_a_separate_model_of_the_same_vocabulary_can_score(tmp_path):
     with pytest.raises(ModelLoadError, match="layers"):
         prompt_compressor(CompressionSettings(mode="auto", scorer="self:9"), target, "native", tmp_path, "float32", 64)
     assert prompt_compressor(CompressionSettings(), target, "native", tmp_path, "float32", 64) is None
+
+
+def test_the_agent_turn_checkpoint_of_a_compressed_conversation_follows_its_kept_tokens():
+    engine = make_engine(prefix_cache=PrefixCache(4, 1 << 30))
+    first, out = greedy(engine, PROMPT, 4, protected=[TAIL])
+    kept = [PROMPT[p] for p in first.kept_positions]
+    turn = PROMPT + out + [11, 12]  # the turn as the follow-up renders it, closing tokens included
+    assert engine.checkpoint_prefix(turn) == len(kept) + len(out) + 2
+    assert engine.committed == kept + out + [11, 12]
