@@ -129,10 +129,10 @@ def main() -> None:
           f"rope {engine.model.args.rope_scaling}, {args.cases} cases per length", flush=True)
     rows = []
     for length in lengths:
-        results: dict[str, list[dict]] = {}
-        for mode in ([] if args.no_off else ["off"]) + [f"keep {r}" for r in ratios]:
-            results[mode] = []
-            for index, case in enumerate(cases[length]):
+        modes = ([] if args.no_off else ["off"]) + [f"keep {r}" for r in ratios]
+        results: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for index, case in enumerate(cases[length]):
+            for mode in modes:  # interleaved: a shared machine's load changes over minutes
                 if mode == "off":
                     engine.compressor = None
                 else:

@@ -16,7 +16,7 @@ import torch
 from dflash.engine.contract import FinishReason, GenerationStats
 from dflash.engine.disk_cache import DiskCache
 from dflash.engine.drafters.ngram import NgramDrafter
-from dflash.engine.pflash import PromptCompressor, PromptPlan, Span, kept_boundaries
+from dflash.engine.pflash import PromptCompressor, Span, kept_boundaries
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.prefix_reuse import PrefixReuse
 from dflash.engine.sampling import Sampler
@@ -268,7 +268,7 @@ class Generation:
             kept = done.value
             self.kept_positions = kept
             self._begin([self.plan.tokens[p] for p in kept], kept_boundaries(self.plan.snapshot_at, kept),
-                        compressed=True)
+                        compressed=len(kept) < len(self.original_prompt))
 
     def _prefill_chunk(self) -> StepOutput:
         start = self.position
