@@ -48,7 +48,7 @@ TAIL_TOKENS = 96  # how much of the prompt's tail those n-grams come from
 class CompressionSettings:
     mode: str = "off"  # off | auto (long uncached prompts) | always | fit (only prompts past the context)
     threshold_tokens: int = 8192  # auto: compress when this many prompt tokens are not cached
-    keep_ratio: float = 0.2  # of the prompt's tokens, protected ones included
+    keep_ratio: float = 0.2  # of the prompt's uncached tokens, protected ones included
     chunk_tokens: int = 32
     scorer: str = "self:8"  # "self:N": the target's first N layers; or a model source (same vocabulary)
     lookahead: int = 8  # tail tokens whose queries score the prompt
@@ -163,7 +163,7 @@ def keep_budget(settings: CompressionSettings, length: int, cached: int, max_ctx
         return None
     if new < 2 * settings.chunk_tokens and not overlong:
         return None
-    return min(math.ceil(settings.keep_ratio * length), limit)
+    return min(cached + math.ceil(settings.keep_ratio * new), limit)
 
 
 # ---- scoring ----------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def test_budget_modes():
     assert keep_budget(settings, 999, 0, 4096, 100) is None
     assert keep_budget(settings, 3000, 0, 4096, 100) == 300
     assert keep_budget(settings, 3000, 2500, 4096, 100) is None  # the cached prefix is not recompressed
+    assert keep_budget(settings, 3000, 1000, 4096, 100) == 1000 + 200  # kept whole, the ratio applies to the rest
     assert keep_budget(CompressionSettings(mode="off"), 9000, 0, 4096, 100) is None
     fit = CompressionSettings(mode="fit")
     assert keep_budget(fit, 4000, 0, 4096, 100) is None
