@@ -51,7 +51,8 @@ def conversation_start(system_tokens: int) -> tuple[str, list[dict]]:
     return system, tools
 
 
-def stream_turn(client: httpx.Client, system: str, tools: list[dict], messages: list[dict]) -> tuple[float, dict, dict]:
+def stream_turn(client: httpx.Client, system: str, tools: list[dict], messages: list[dict],
+                metadata: dict | None = None) -> tuple[float, dict, dict]:
     """One streamed Anthropic turn: (seconds to the first content event, final message, usage timings)."""
     started = time.perf_counter()
     first_token_s = None
@@ -60,6 +61,7 @@ def stream_turn(client: httpx.Client, system: str, tools: list[dict], messages: 
     with client.stream("POST", "/v1/messages", json={
         "model": "claude-opus-4-8", "max_tokens": 64, "system": system, "tools": tools,
         "tool_choice": {"type": "any"}, "messages": messages, "stream": True,
+        **({"metadata": metadata} if metadata else {}),
     }) as response:
         event = None
         for line in response.iter_lines():
@@ -75,7 +77,8 @@ def stream_turn(client: httpx.Client, system: str, tools: list[dict], messages: 
                     block = content[data["index"]]
                     block["_json"] = block.get("_json", "") + data["delta"]["partial_json"]
                 elif event == "message_delta":
-                    timings = data.get("usage", {}).get("timings", {})
+                    usage = data.get("usage", {})
+                    timings = {**usage.get("timings", {}), "output_tokens": usage.get("output_tokens", 0)}
     for block in content:
         if "_json" in block:
             block["input"] = json.loads(block.pop("_json") or "{}")

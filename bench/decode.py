@@ -88,7 +88,7 @@ def filled_to(engine, filler: list[int], depth: int) -> None:
         kv.keys[:, :, start:end] = kv.keys[:, :, : end - start]
         kv.values[:, :, start:end] = kv.values[:, :, : end - start]
     kv.length = depth
-    engine.committed = (prefilled * (depth // len(prefilled) + 1))[:depth]
+    engine.prefix_reuse.committed[:] = (prefilled * (depth // len(prefilled) + 1))[:depth]
 
 
 def speed_at_contexts(source, dtype, kv_dtypes, contexts, tokens, threads):

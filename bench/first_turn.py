@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cpu import cpu_kind  # noqa: E402
+from dflash.engine.cpu import cpu_kind  # noqa: E402
 from bench.live_server import LiveServer  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "clients"

@@ -25,6 +25,8 @@ def to_toml(sections: dict[str, dict]) -> str:
     def value(item) -> str:
         if isinstance(item, bool):
             return "true" if item else "false"
+        if isinstance(item, dict):  # an inline table
+            return "{" + ", ".join(f"{key} = {value(element)}" for key, element in item.items()) + "}"
         if isinstance(item, (list, tuple)):
             return "[" + ", ".join(value(element) for element in item) + "]"
         return json.dumps(item)
@@ -35,7 +37,9 @@ def to_toml(sections: dict[str, dict]) -> str:
 
 class LiveServer:
     def __init__(self, *, fake: bool, server: dict | None = None, model: dict | None = None,
-                 fake_args: tuple[str, ...] = (), cache: dict | None = None):
+                 fake_args: tuple[str, ...] = (), cache: dict | None = None, cluster: dict | None = None):
+        """`cluster`: run `dflash cluster` with this [cluster] table (stop it with `stop`, which
+        lets it shut its Ray down; a kill would leave Ray's processes behind)."""
         self._folder = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
         self.config_path = self._folder / "server.toml"
         self.log_path = self._folder / "server.log"
@@ -44,9 +48,10 @@ class LiveServer:
             "model": model or {},
             "cache": cache or {},
             "logging": {"format": "json"},
+            **({"cluster": cluster} if cluster else {}),
         }))
         entry = ["-m", "tests.unit.fakes", str(self.config_path), *fake_args] if fake else \
-            ["-m", "dflash.cli", "run", str(self.config_path)]
+            ["-m", "dflash.cli", "cluster" if cluster else "run", str(self.config_path)]
         self._command = [sys.executable, *entry]
         self.process: subprocess.Popen | None = None
         self.port = 0

@@ -34,10 +34,12 @@ from pathlib import Path
 import attrs
 import h11
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.live_server import LiveServer, percentile, report_verdict  # noqa: E402
+from dflash.engine.cpu import cpu_kind  # noqa: E402
 from tests.unit.dialects import sse_event  # noqa: E402
 from tests.unit.rawhttp import RawClient, request  # noqa: E402
 from tests.unit.wsclient import ResponsesClient  # noqa: E402
@@ -92,6 +94,7 @@ class Sample:
     rss_bytes: int
     fds: int
     threads: int
+    cache_bytes: int = 0  # every cache tier's bytes, from /metrics
 
 
 @attrs.define
@@ -634,8 +637,17 @@ async def quiet_sample(load: Load, pid: int) -> Sample:
     while time.monotonic() < deadline and not (len(readings) >= 5 and len({r.fds for r in readings[-5:]}) == 1):
         await trio.sleep(0.1)
         readings.append(process_sample(pid))
+    sample = attrs.evolve(readings[-1], cache_bytes=await cache_bytes(load.port))
     load.resume()
-    return readings[-1]
+    return sample
+
+
+async def cache_bytes(port: int) -> int:
+    """The bytes the server's caches hold (prefix, exact and disk tiers), as /metrics reports them."""
+    reply = await request(port, "GET", "/metrics")
+    families = text_string_to_metric_families(reply.body.decode())
+    return int(sum(sample.value for family in families if family.name == "dflash_cache_bytes"
+                   for sample in family.samples))
 
 
 async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: int = 4, seed: int = 0,
@@ -659,8 +671,9 @@ async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: i
         out(f"after {warmup_s:g}s warm-up: {mib(report.baseline.rss_bytes)} MiB, {report.baseline.fds} fds, "
             f"{report.baseline.threads} threads\n")
         out(TABLE_HEADER)
+        measured_from = trio.current_time()  # the minutes count after the warm-up and its quiet point
         for index in range(1, minutes + 1):
-            await trio.sleep_until(began + 60 * index)
+            await trio.sleep_until(measured_from + 60 * index)
             sample = await quiet_sample(load, server.pid)
             report.minutes.append(Minute(index, load.take_tally(), sample))
             out(table_row(report.minutes[-1]))
@@ -670,11 +683,13 @@ async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: i
 
 
 async def run_soak(profile: Profile, *, minutes: int, clients: int = 4, seed: int = 0, warmup_s: float = WARMUP_S,
-                   out=print) -> tuple[Report, LiveServer]:
-    """Start a server, soak it, stop it; the report and the server (whose log is still on disk)."""
+                   cache_mib: int | None = None, out=print) -> tuple[Report, LiveServer]:
+    """Start a server, soak it, stop it; the report and the server (whose log is still on disk).
+    `cache_mib` bounds the memory caches, so that they fill during the warm-up and a leak shows as
+    growth after it."""
     server = LiveServer(fake=profile.fake, fake_args=FAKE_ARGS if profile.fake else (), server={
         "max_body_bytes": MAX_BODY_BYTES, "idle_timeout_s": IDLE_TIMEOUT_S, "queue_max": 64, "keepalive_s": 1.0,
-        "shutdown_grace_s": 5})
+        "shutdown_grace_s": 5}, cache=None if cache_mib is None else {"memory_budget_mib": cache_mib})
     with server:
         report = await soak(server, profile, minutes=minutes, clients=clients, seed=seed, warmup_s=warmup_s, out=out)
         report.exit_code = server.stop()
@@ -697,7 +712,7 @@ def table_row(minute: Minute) -> str:
     cells = [minute.index, *(tally.outcomes[outcome] for outcome in OUTCOMES),
              f"{percentile(tally.ttft_s, 0.5):.2f}", f"{percentile(tally.ttft_s, 0.99):.2f}",
              f"{percentile(tally.health_s, 0.5) * 1000:.1f}", f"{percentile(tally.health_s, 0.99) * 1000:.1f}",
-             f"{mib(sample.rss_bytes)}", sample.fds, sample.threads, "-"]  # no endpoint exposes cache bytes
+             f"{mib(sample.rss_bytes)}", sample.fds, sample.threads, f"{mib(sample.cache_bytes)} MiB"]
     return "  ".join(str(cell).ljust(width) for cell, width in zip(cells, WIDTHS))
 
 
@@ -717,20 +732,9 @@ def mib(size: int) -> str:
     return f"{size / 2**20:.1f}"
 
 
-def cpu_kind() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    if "amx_bf16" in flags:
-        return "AMX"
-    return "AVX512-BF16" if "avx512_bf16" in flags else "AVX2"
-
-
 async def main_async(args) -> int:
     report, server = await run_soak(FAKE if args.fake else REAL, minutes=args.minutes, clients=args.clients,
-                                    seed=args.seed, warmup_s=args.warmup_s)
+                                    seed=args.seed, warmup_s=args.warmup_s, cache_mib=args.cache_mib)
     print_summary(report)
     return report_verdict(server, report.failures())
 
@@ -743,6 +747,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-s", type=float, default=WARMUP_S,
                         help="seconds before the memory and descriptor baseline (the prefix caches fill meanwhile)")
+    parser.add_argument("--cache-mib", type=int, default=None,
+                        help="[cache] memory_budget_mib for the server (default: the config default)")
     args = parser.parse_args()
     if args.minutes < 1 or not 0 < args.warmup_s < 60 * args.minutes:
         parser.error("--minutes must be at least 1 and --warmup-s shorter than the run")

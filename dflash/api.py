@@ -9,6 +9,7 @@ or its body as one JSON response.
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import secrets
 import time
@@ -16,14 +17,19 @@ from contextlib import aclosing
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
+
 from dflash import __version__
 from dflash.chat.parser import new_call_id
 from dflash.config import Config, ServerConfig
+from dflash.engine.cpu import cpu_kind
 from dflash.http.routing import CORSPolicy, HostPolicy, Router, is_loopback_host, offered_key
 from dflash.http.server import Handler, Request, Response, ResponseWriter
 from dflash.http.sse import frame, open_sse_stream
 from dflash.http.websocket import HandshakeRefused, accept_websocket
+from dflash.metrics import Metrics
 from dflash.protocols import anthropic, openai_chat, responses
+from dflash.protocols.conversation import conversation_key
 from dflash.protocols.errors import APIError, anthropic_error_body, openai_error_body
 from dflash.protocols.openai_chat import CompletionHeader
 from dflash.protocols.response_store import ResponseStore
@@ -33,6 +39,39 @@ from dflash.responses_turn import begin_turn
 from dflash.scheduler import Job, Scheduler
 
 RESPONSES_PATH = "/v1/responses"
+# The page served at / to browsers, and the files it loads (dflash/web/, shipped in the package).
+PAGE = "index.html"
+WEB_FILES = {"/web/app.js": ("app.js", "text/javascript; charset=utf-8"),
+             "/web/style.css": ("style.css", "text/css; charset=utf-8")}
+NO_AUTH_MARK = b'<meta name="dflash-auth" content="none">'
+KEY_AUTH_MARK = b'<meta name="dflash-auth" content="api-key">'
+# Nothing from elsewhere: scripts, styles and requests stay on this server.
+PAGE_POLICY = ("default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+               "frame-ancestors 'none'; form-action 'none'")
+ROUTED_PATHS = ("/health", "/", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/messages",
+                "/v1/messages/count_tokens", RESPONSES_PATH, *WEB_FILES)
+
+
+def build_info(config: Config, model: ModelText) -> dict[str, str]:
+    """What /metrics (dflash_build_info) and the status page say the server runs."""
+    return {"version": __version__, "model": model.model_id, "dtype": config.model.dtype,
+            "weights_format": model.weights_format, "cpu": cpu_kind()}
+
+
+def wants_html(request: Request) -> bool:
+    """A browser's navigation (its Accept names text/html); API clients ask for JSON or anything."""
+    return "text/html" in (request.header("accept") or "").lower()
+
+
+def _web_file(name: str) -> bytes:
+    return importlib.resources.files("dflash").joinpath("web", name).read_bytes()
+
+
+def settings_of(config: Config) -> dict[str, Any]:
+    """The configuration as the status page shows it: everything but the API keys themselves."""
+    server = {**attrs.asdict(config.server), "api_keys": len(config.server.api_keys)}
+    return {"server": server, "model": attrs.asdict(config.model), "speculative": attrs.asdict(config.speculative),
+            "cache": attrs.asdict(config.cache)}
 
 
 def exposure_warnings(server: ServerConfig) -> Iterator[str]:
@@ -82,9 +121,15 @@ class _Routes(Router):
 
 
 class API:
-    def __init__(self, model: ModelText, scheduler: Scheduler, config: Config):
+    def __init__(self, model: ModelText, scheduler: Scheduler, config: Config, metrics: Metrics):
         self._model = model
         self._scheduler = scheduler
+        self._metrics = metrics
+        self._build = build_info(config, model)
+        self._page = _web_file(PAGE)
+        if config.server.api_keys:  # the page asks for a key before its first request
+            self._page = self._page.replace(NO_AUTH_MARK, KEY_AUTH_MARK)
+        self._web_files = {path: (_web_file(name), content_type) for path, (name, content_type) in WEB_FILES.items()}
         self._keepalive_s = config.server.keepalive_s
         self._log_text = config.logging.log_text
         self._config = config
@@ -97,6 +142,8 @@ class API:
         routes = {
             ("GET", "/health"): self.health,
             ("GET", "/"): self.root,
+            ("GET", "/metrics"): self.metrics,
+            **{("GET", path): self.web_file for path in WEB_FILES},
             ("GET", "/v1/models"): self.models,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/messages"): self.messages,
@@ -106,7 +153,7 @@ class API:
         }
         server = self._config.server
         return _Routes(routes, get_response=self.get_response, error_response=error_response,
-                       api_keys=server.api_keys, cors=CORSPolicy(server.cors_origins),
+                       api_keys=server.api_keys, cors=CORSPolicy(server.cors_origins), is_open=self._is_open,
                        hosts=HostPolicy(enforced=is_loopback_host(server.host), allowed_hosts=server.allowed_hosts))
 
     def _owner(self, request: Request) -> str | None:
@@ -121,16 +168,44 @@ class API:
     async def health(self, request: Request, writer: ResponseWriter) -> Response:
         return Response.json(200, {"status": "ok"})
 
+    def _is_open(self, request: Request) -> bool:
+        """Requests answered without an API key besides /health: the page and its files (static,
+        no data: the page asks for the key and sends it with its own requests), and /metrics
+        when `metrics_auth` is off."""
+        if request.path in WEB_FILES or (request.path == "/" and wants_html(request)):
+            return True
+        return request.path == "/metrics" and not self._config.server.metrics_auth
+
     async def root(self, request: Request, writer: ResponseWriter) -> Response:
-        return Response.json(200, {
+        if wants_html(request):
+            return Response(200, self._page, (("content-type", "text/html; charset=utf-8"), ("vary", "Accept"),
+                                              ("cache-control", "no-cache"),
+                                              ("content-security-policy", PAGE_POLICY)))
+        return Response.json(200, self.status_body(), headers=[("vary", "Accept")])
+
+    def status_body(self) -> dict[str, Any]:
+        """What `GET /` answers an API client (a cluster adds its replicas)."""
+        return {
             "status": "ok",
             "model": self._model.model_id,
             "state": self._scheduler.state,
             "queue_depth": self._scheduler.queue_depth,
+            "running": self._scheduler.running_job(),
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
             "version": __version__,
             "warnings": list(exposure_warnings(self._config.server)),
-        })
+            "build": self._build,
+            "settings": settings_of(self._config),
+            "recent_requests": list(self._metrics.recent),
+        }
+
+    async def metrics(self, request: Request, writer: ResponseWriter) -> Response:
+        body, content_type = self._metrics.exposition(request.header("accept"))
+        return Response(200, body, (("content-type", content_type),))
+
+    async def web_file(self, request: Request, writer: ResponseWriter) -> Response:
+        body, content_type = self._web_files[request.path]
+        return Response(200, body, (("content-type", content_type), ("cache-control", "no-cache")))
 
     async def models(self, request: Request, writer: ResponseWriter) -> Response:
         ids = [self._model.model_id, *self._model.aliases]
@@ -152,8 +227,8 @@ class API:
         except HandshakeRefused as refused:
             raise APIError(refused.status, str(refused)) from None
         session = ResponsesSocket(self.replies, self.responses, socket, request, owner=self._owner(request),
-                                  keepalive_s=self._keepalive_s,
-                                  log_text=self._log_text)
+                                  keepalive_s=self._keepalive_s, log_text=self._log_text,
+                                  on_response=self._metrics.request_done)
         await session.serve()
         request.log["responses"] = session.responses_served
 
@@ -175,7 +250,8 @@ class API:
     async def chat_completions(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "openai_chat"
         chat = openai_chat.parse_request(request.body)
-        reply = self.replies.prepare(chat, call_id=new_call_id, request_id=request.id)
+        reply = self.replies.prepare(chat, call_id=new_call_id, request_id=request.id,
+                                     conversation=conversation_key(session_header=request.header("session_id")))
         header = CompletionHeader(id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
                                   model=chat.model or self._model.model_id)
         return await self._answer(request, writer, reply, openai_chat.ChatCompletionRender(header, chat))
@@ -183,7 +259,9 @@ class API:
     async def messages(self, request: Request, writer: ResponseWriter) -> Response | None:
         request.log["dialect"] = "anthropic"
         message = anthropic.parse_request(request.body)
-        reply = self.replies.prepare(message, call_id=anthropic.new_tool_use_id, request_id=request.id)
+        reply = self.replies.prepare(message, call_id=anthropic.new_tool_use_id, request_id=request.id,
+                                     conversation=conversation_key(session_header=request.header("session_id"),
+                                                                   metadata=message.metadata))
         render = anthropic.MessageRender(f"msg_{secrets.token_hex(12)}", message.model or self._model.model_id,
                                          prompt_tokens=len(reply.prompt.token_ids),
                                          thinking=message.thinking.enabled is True)
@@ -196,7 +274,10 @@ class API:
         # Operators (and the real-client tests) see which turns continued a stored one.
         request.log["previous_response_id"] = parsed.previous_response_id
         turn = begin_turn(self.responses, parsed, owner=owner)
-        reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
+        conversation = conversation_key(session_header=request.header("session_id"),
+                                        prompt_cache_key=parsed.prompt_cache_key)
+        reply = self.replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id,
+                                     conversation=conversation)
         render = turn.renderer(self._model.model_id)
         answer = await self._answer(request, writer, reply, render)
         turn.store(self.responses, render, owner=owner)

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from functools import partial
 import attrs
 import trio
 
 from dflash import __version__
-from dflash.api import API, exposure_warnings, error_response
+from dflash.api import API, ROUTED_PATHS, build_info, exposure_warnings, error_response
 from dflash.config import Config
 from dflash.engine import contract
 from dflash.http.server import HTTPServer, Limits
 from dflash.logs import config_summary, get_logger
+from dflash.metrics import Metrics
 from dflash.reply import ModelText
 from dflash.scheduler import EngineWorker, Scheduler
 
@@ -38,7 +40,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
     # on a fake engine (unit tests, bench --fake) never needs.
     from dflash.chat.detokenize import IncrementalDetokenizer, token_bytes
     from dflash.chat.template import chat_template_for
-    from dflash.engine.loading import load_model as load_engine_model
+    from dflash.engine.loading import load_model as load_engine_model, weights_format
 
     from dflash.engine.speculative import SpeculationConfig
 
@@ -67,6 +69,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         vocab_size=loaded.engine.vocab_size,
         aliases=config.aliases,
         compresses_to_fit=full_config.prefill.compression != "off",
+        weights_format=weights_format(config.source),
     )
     return loaded.engine, text
 
@@ -118,31 +121,44 @@ async def serve(config: Config, *, loader: ModelLoader = load_served_model, hand
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load the model, listen, serve until shutdown. `task_status.started` gets the App."""
     with EngineWorker() as worker:
+        loading_began = time.perf_counter()
         engine, model = await worker.call(loader, config)
-        scheduler = Scheduler(engine, worker, queue_max=config.server.queue_max)
-        router = API(model, scheduler, config).router()
-        http = HTTPServer(router, limits_of(config), common_headers=router.common_headers,
-                          error_response=error_response)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(scheduler.run)
-            listeners = await trio.open_tcp_listeners(config.server.port, host=config.server.host)
-            await nursery.start(http.serve, listeners)
-            port = listeners[0].socket.getsockname()[1]
-            app = App(config=config, port=port, scheduler=scheduler, http=http)
-            if handle_signals:
-                nursery.start_soon(_shutdown_on_signals, app)
-            log.info("started", version=__version__, model=model.model_id, source=config.model.source,
-                     dtype=config.model.dtype, listening=f"http://{config.server.host}:{port}",
-                     config=config_summary(config))
-            for warning in exposure_warnings(config.server):
-                log.warning("exposed", message=warning)
-            task_status.started(app)
-            await app._shutdown_requested.wait()
-            await app._drain()
-            nursery.cancel_scope.cancel()
+        metrics = Metrics(build=build_info(config, model), load_seconds=time.perf_counter() - loading_began,
+                          endpoints=ROUTED_PATHS)
+        scheduler = Scheduler(engine, worker, queue_max=config.server.queue_max, on_job_end=metrics.job_ended)
+        await serve_front(config, model, scheduler, metrics, api=API(model, scheduler, config, metrics),
+                          handle_signals=handle_signals, task_status=task_status)
         with trio.CancelScope(shield=True):  # snapshots still queued for the disk cache get written
             await worker.call(engine.close)
     log.info("stopped")
+
+
+async def serve_front(config: Config, model: ModelText, scheduler: Scheduler, metrics: Metrics, *, api: API,
+                      handle_signals: bool, task_status) -> None:
+    """Run `scheduler` and the HTTP server until shutdown, then drain. Shared by `dflash run` and
+    `dflash cluster`, whose scheduler forwards jobs to replicas (dflash/cluster/front.py)."""
+    router = api.router()
+    http = HTTPServer(router, limits_of(config), common_headers=router.common_headers,
+                      error_response=error_response, on_request=metrics.request_done)
+    metrics.watch(queued=lambda: scheduler.queue_depth, running=lambda: scheduler.running,
+                  in_flight=lambda: http.active_requests, cache_stats=lambda: scheduler.cache_stats)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        listeners = await trio.open_tcp_listeners(config.server.port, host=config.server.host)
+        await nursery.start(http.serve, listeners)
+        port = listeners[0].socket.getsockname()[1]
+        app = App(config=config, port=port, scheduler=scheduler, http=http)
+        if handle_signals:
+            nursery.start_soon(_shutdown_on_signals, app)
+        log.info("started", version=__version__, model=model.model_id, source=config.model.source,
+                 dtype=config.model.dtype, listening=f"http://{config.server.host}:{port}",
+                 config=config_summary(config))
+        for warning in exposure_warnings(config.server):
+            log.warning("exposed", message=warning)
+        task_status.started(app)
+        await app._shutdown_requested.wait()
+        await app._drain()
+        nursery.cancel_scope.cancel()
 
 
 async def _shutdown_on_signals(app: App) -> None:

@@ -1,8 +1,11 @@
 """The `dflash` command. Each subcommand is a parser plus one function that returns the exit code.
 
     dflash run CONFIG.toml [--host HOST] [--port PORT] [--model SOURCE]
+    dflash cluster CONFIG.toml [--host HOST] [--port PORT] [--model SOURCE]   (replicas on Ray Serve)
     dflash chat "PROMPT" [--model SOURCE] [--dtype bfloat16] [--max-tokens N] [--threads N]
     dflash train-drafter --target MODEL --out DIR [--layers N] [--block-size B] [--steps N] [--resume] ...
+    dflash cache ls [CONFIG.toml] [--disk-dir DIR]
+    dflash cache clear [CONFIG.toml] [--disk-dir DIR]
 
 Exit codes: 0 after a clean shutdown, 1 if the server failed, 2 for a bad command line or config.
 """
@@ -11,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
 
 import trio
 
@@ -24,8 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"dflash {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(commands)
+    _add_cluster(commands)
     _add_chat(commands)
     _add_train_drafter(commands)
+    _add_cache(commands)
     args = parser.parse_args(argv)
     return args.handler(args)
 
@@ -39,7 +47,17 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _add_cluster(commands: argparse._SubParsersAction) -> None:
+    cluster = commands.add_parser("cluster", help="serve over HTTP in front of engine replicas on Ray Serve "
+                                                  "([cluster] in the config; needs the `cluster` extra)")
+    cluster.add_argument("config", help="TOML config file with a [cluster] table")
+    cluster.add_argument("--host", help="listen address; overrides server.host")
+    cluster.add_argument("--port", type=int, help="listen port; overrides server.port")
+    cluster.add_argument("--model", help="model source; overrides model.source")
+    cluster.set_defaults(handler=partial(_run, clustered=True))
+
+
+def _run(args: argparse.Namespace, clustered: bool = False) -> int:
     try:
         config = with_overrides(load_config(args.config), host=args.host, port=args.port, model=args.model)
     except ConfigError as exc:
@@ -47,7 +65,14 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     logs.configure(config.logging.level, config.logging.format)
     # Imported after the config is known good: the server pulls in torch, which takes seconds.
-    from dflash.app import serve
+    if clustered:
+        try:
+            from dflash.cluster.app import serve_cluster as serve
+        except ImportError as exc:
+            print(f"dflash: `dflash cluster` needs Ray Serve: pip install 'dflash[cluster]' ({exc})", file=sys.stderr)
+            return 2
+    else:
+        from dflash.app import serve
 
     try:
         trio.run(serve, config)
@@ -155,6 +180,93 @@ def _train_drafter(args: argparse.Namespace) -> int:
     summary.pop("history")
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _add_cache(commands: argparse._SubParsersAction) -> None:
+    cache = commands.add_parser("cache", help="list or remove the disk cache's snapshots (the server need not run)")
+    actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, handler, help_text in (("ls", _cache_ls, "list the snapshots: model, tokens, size, last use"),
+                                     ("clear", _cache_clear, "remove every snapshot")):
+        action = actions.add_parser(name, help=help_text)
+        action.add_argument("config", nargs="?", help="TOML config file whose [cache] disk_dir names the folder")
+        action.add_argument("--disk-dir", help="the disk cache folder; overrides the config's")
+        action.set_defaults(handler=handler)
+
+
+def _disk_dir(args: argparse.Namespace) -> Path | None:
+    """The folder the arguments name, or None after printing why there is none."""
+    if args.disk_dir:
+        folder = args.disk_dir
+    elif args.config:
+        try:
+            folder = load_config(args.config).cache.disk_dir
+        except ConfigError as exc:
+            print(f"dflash: config error: {exc}", file=sys.stderr)
+            return None
+        if not folder:
+            print(f"dflash: {args.config} sets no [cache] disk_dir (the caches stay in memory); "
+                  "pass --disk-dir DIR", file=sys.stderr)
+            return None
+    else:
+        print("dflash: name the disk cache folder: --disk-dir DIR, or a config file with [cache] disk_dir",
+              file=sys.stderr)
+        return None
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        print(f"dflash: disk cache folder {str(path)!r} is not a folder", file=sys.stderr)
+        return None
+    return path
+
+
+def _cache_ls(args: argparse.Namespace) -> int:
+    from dflash.engine.disk_cache import stored_snapshots
+
+    folder = _disk_dir(args)
+    if folder is None:
+        return 2
+    if not folder.exists():
+        print(f"{folder}: no snapshots (the folder does not exist yet)")
+        return 0
+    snapshots = stored_snapshots(folder)
+    print(f"{folder}: {len(snapshots)} snapshots, {_size(sum(s.nbytes for s in snapshots))}")
+    if snapshots:
+        now = time.time()
+        rows = [("MODEL", "DTYPE", "TOKENS", "SIZE", "LAST USED", "FILE")]
+        rows += [(s.model or "-", s.dtype or "-", str(s.tokens) if s.problem is None else "-", _size(s.nbytes),
+                  _age(now - s.last_used), s.path.name + (f"  (unreadable: {s.problem})" if s.problem else ""))
+                 for s in snapshots]
+        widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+        for row in rows:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def _cache_clear(args: argparse.Namespace) -> int:
+    from dflash.engine.disk_cache import remove_snapshots
+
+    folder = _disk_dir(args)
+    if folder is None:
+        return 2
+    removed, removed_bytes = remove_snapshots(folder)
+    print(f"{folder}: removed {removed} snapshots, {_size(removed_bytes)}")
+    return 0
+
+
+def _size(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        nbytes /= 1024
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= length:
+            return f"{seconds // length}{unit} ago"
+    return f"{seconds}s ago"
 
 
 if __name__ == "__main__":

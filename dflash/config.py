@@ -76,6 +76,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8000, validator=_ints(0, 65535))
     api_keys: tuple[str, ...] = ()
+    metrics_auth: bool = True  # with api_keys set, GET /metrics needs a key too; false opens it to scrapers
     cors_origins: tuple[str, ...] = ("*",)
     # Host names answered besides loopback ones while listening on a loopback address (DNS rebinding).
     allowed_hosts: tuple[str, ...] = ()
@@ -155,6 +156,27 @@ class LoggingConfig:
     log_text: bool = False
 
 
+def _ray_address(instance, attribute, value):
+    if value not in ("auto", "local") and not value.startswith("ray://"):
+        raise _Invalid(value, "'auto', 'local' or a 'ray://host:port' address", key=attribute.name)
+
+
+@attrs.frozen
+class ClusterConfig:
+    """`dflash cluster`: engine replicas on Ray Serve behind one HTTP front (dflash/cluster/)."""
+
+    replicas: int = attrs.field(default=2, validator=_ints(1))
+    # "local" starts a Ray instance for this process; "auto" joins the one `ray start` began on
+    # this machine; "ray://host:10001" reaches a cluster's head through Ray Client.
+    address: str = attrs.field(default="local", validator=_ray_address)
+    # Passed to Serve for each replica: num_cpus, num_gpus, resources, runtime_env...
+    ray_actor_options: dict[str, Any] = attrs.field(factory=lambda: {"num_cpus": 1})
+    router: str = attrs.field(default="affine", validator=_one_of("affine", "power_of_two"))
+    # How many more generations in flight a conversation's replica may have than the least
+    # loaded one before the conversation moves there.
+    imbalance_threshold: int = attrs.field(default=2, validator=_ints(0))
+
+
 @attrs.frozen
 class Config:
     server: ServerConfig = attrs.Factory(ServerConfig)
@@ -163,6 +185,7 @@ class Config:
     cache: CacheConfig = attrs.Factory(CacheConfig)
     prefill: PrefillConfig = attrs.Factory(PrefillConfig)
     logging: LoggingConfig = attrs.Factory(LoggingConfig)
+    cluster: ClusterConfig = attrs.Factory(ClusterConfig)
 
 
 def _strict(expected_type: type, expected: str):

@@ -55,6 +55,7 @@ class ModelText:
     aliases: tuple[str, ...] = ()
     # Speculative prefill is on: a prompt longer than the context is compressed to fit, not refused.
     compresses_to_fit: bool = False
+    weights_format: str = "unknown"  # what the weights were read from: gguf, safetensors (for operators)
 
 
 class Renderer(Protocol):
@@ -77,6 +78,7 @@ class Reply:
     max_tokens: int
     call_id: Callable[[], str]
     request_id: str = ""  # for the scheduler's log lines
+    conversation: str | None = None  # the client's session id (protocols/conversation.py); a cluster routes by it
     constraint: Constraint | None = None  # what the reply must follow (output format, forced tool call)
     grammar: str | None = None  # the constraint compiled and checked, once submitted
     usage: Usage = Usage()
@@ -130,13 +132,14 @@ class Replies:
             raise APIError(400, f"the conversation cannot be rendered with the model's chat template: {exc}",
                            param="messages") from None
 
-    def prepare(self, request: GenerationRequest, *, call_id: Callable[[], str], request_id: str = "") -> Reply:
+    def prepare(self, request: GenerationRequest, *, call_id: Callable[[], str], request_id: str = "",
+                conversation: str | None = None) -> Reply:
         """Render and check what can be checked without the engine; APIError (400) if refused."""
         prompt = self.render_prompt(request)
         self._check_logit_bias(request)
         max_tokens = self._fit_max_tokens(prompt, request.max_tokens)
         constraint = reply_constraint(request, starts_in_thinking=prompt.starts_in_thinking)
-        return Reply(request, prompt, max_tokens, call_id, request_id, constraint)
+        return Reply(request, prompt, max_tokens, call_id, request_id, conversation, constraint)
 
     async def submit(self, reply: Reply) -> Job:
         """Check the reply's grammar with the engine (an invalid schema is a 400) and queue its
@@ -194,7 +197,7 @@ class Replies:
             for event in parser.feed(detokenizer.push(step.tokens)):
                 yield event
             if parser.done:
-                job.cancel()  # nothing after a stop string (or the one allowed call) is wanted
+                job.cancel("stop")  # nothing after a stop string (or the one allowed call) is wanted
                 break
         else:
             for event in parser.feed(detokenizer.flush()) + parser.finish():
@@ -263,7 +266,8 @@ class Replies:
             return self._scheduler.submit(reply.prompt.token_ids, request.sampling, reply.max_tokens,
                                           request_id=reply.request_id, snapshot_at=reply.prompt.snapshot_at,
                                           top_logprobs=request.top_logprobs if request.logprobs else None,
-                                          grammar=reply.grammar, protected=reply.prompt.protected)
+                                          grammar=reply.grammar, conversation=reply.conversation,
+                                          protected=reply.prompt.protected)
         except QueueFull as exc:
             raise APIError(429, str(exc), headers=[("retry-after", str(RETRY_AFTER_S))]) from None
         except ShuttingDown as exc:

@@ -23,10 +23,11 @@ from contextlib import aclosing
 import trio
 
 from dflash.chat.parser import new_call_id
-from dflash.http.server import Request
+from dflash.http.server import Request, RequestDone, RequestObserver
 from dflash.http.websocket import WebSocket, WebSocketClosed
 from dflash.logs import get_logger
 from dflash.protocols import fields, responses
+from dflash.protocols.conversation import conversation_key
 from dflash.protocols.errors import APIError, openai_error_body
 from dflash.protocols.response_store import ResponseStore
 from dflash.reply import Replies
@@ -40,7 +41,8 @@ QUEUED_MAX = 4  # response.create messages waiting behind the running one
 
 class ResponsesSocket:
     def __init__(self, replies: Replies, stored: ResponseStore, socket: WebSocket, upgrade: Request, *,
-                 owner: str | None, keepalive_s: float, log_text: bool = False):
+                 owner: str | None, keepalive_s: float, log_text: bool = False,
+                 on_response: RequestObserver = lambda done: None):
         self._replies = replies
         self._stored = stored  # the server's store (`store: true` responses, GET /v1/responses/{id})
         self._socket = socket
@@ -48,6 +50,7 @@ class ResponsesSocket:
         self._owner = owner  # the handshake's API key digest: whose stored responses it may continue
         self._keepalive_s = keepalive_s
         self._log_text = log_text
+        self._on_response = on_response  # told of each response as its log line is written
         self._chain = ResponseStore(CHAIN_KEPT)
         self.responses_served = 0
 
@@ -102,9 +105,12 @@ class ResponsesSocket:
             await self._send_error(error)
         finally:
             self.responses_served += 1
+            duration_s = trio.current_time() - started
+            disconnected = self._socket.closed is not None
             log.info("request", id=request.id, method=request.method, path=request.path, status=status,
-                     duration_ms=round((trio.current_time() - started) * 1000, 1),
-                     client_disconnected=self._socket.closed is not None, **request.log)
+                     duration_ms=round(duration_s * 1000, 1), client_disconnected=disconnected, **request.log)
+            self._on_response(RequestDone(request.id, request.method, request.path, status, duration_s, disconnected,
+                                          request.log))
 
     async def _respond(self, request: Request, body: bytes) -> None:
         parsed = responses.parse_request(body)
@@ -115,7 +121,11 @@ class ResponsesSocket:
             await self._send(render.opening() + render.finish_without_output())
             self._chain.put(render.response_id, render.body(), turn.conversation(()), self._owner)
             return
-        reply = self._replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id)
+        # The upgrade request's headers carry Codex's session_id for every response on this socket.
+        conversation = conversation_key(session_header=request.header("session_id"),
+                                        prompt_cache_key=parsed.prompt_cache_key)
+        reply = self._replies.prepare(turn.request.generation, call_id=new_call_id, request_id=request.id,
+                                      conversation=conversation)
         first_job = await self._replies.submit(reply)  # refusals come before anything is sent
         try:
             stream = _TickingStream(self._send, render, self._keepalive_s)

@@ -121,12 +121,25 @@ class JobStep:
     logprobs: list[TokenChoice] | None = None  # one per token in `tokens`, when the job asked for them
 
 
+@attrs.frozen
+class JobRecord:
+    """How a job ended, for metrics: the numbers of its last step (None if it never ran)."""
+
+    request_id: str
+    outcome: str  # "finished", "cancelled" or "failed"
+    phase: str  # where it was when it ended: "queued", "prefill" or "decode"
+    cancel_reason: str | None  # "abandoned" (its handler left), "stop" (a stop string), "shutdown"
+    queue_s: float
+    stats: contract.GenerationStats | None
+
+
 class Job:
     """One request's generation, queued or running. Use as `with scheduler.submit(...) as job:`."""
 
     def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                  request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-                 grammar: str | None = None, protected: tuple[tuple[int, int], ...] = ()):
+                 grammar: str | None = None, conversation: str | None = None,
+                 protected: tuple[tuple[int, int], ...] = ()):
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.max_tokens = max_tokens
@@ -135,9 +148,12 @@ class Job:
         self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
         self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
         self.protected = protected  # prompt token spans that prompt compression must keep
+        self.conversation = conversation  # the client's session id, when it sent one (a cluster routes by it)
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
+        self.cancel_reason: str | None = None
+        self.progress: contract.GenerationStats | None = None  # as of the last step taken
         self._scheduler = scheduler
         self._started = trio.Event()
         self._failure: Exception | None = None
@@ -159,10 +175,13 @@ class Job:
         waited_until = self.started_at if self.started_at is not None else trio.current_time()
         return (waited_until - self.queued_at) * 1000
 
-    def cancel(self) -> None:
-        """Idempotent. A queued job leaves the queue now; a running one stops at its next step."""
+    def cancel(self, reason: str = "abandoned") -> None:
+        """Idempotent. A queued job leaves the queue now; a running one stops at its next step.
+        `reason`: "abandoned" (its handler left: client gone, write stalled), "stop" (the reply
+        needs nothing more: a stop string), "shutdown"."""
         if self.cancelled_at is None:
             self.cancelled_at = trio.current_time()
+            self.cancel_reason = reason
             self._scheduler._forget(self)
 
     async def wait_started(self) -> None:
@@ -202,10 +221,14 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: contract.Engine, worker: EngineWorker, *, queue_max: int):
+    def __init__(self, engine: contract.Engine, worker: EngineWorker, *, queue_max: int,
+                 on_job_end: Callable[[JobRecord], None] = lambda record: None):
         self._engine = engine
         self._worker = worker
         self.queue_max = queue_max
+        self._on_job_end = on_job_end
+        # The engine's caches as of the last job's end (read in the engine thread, between steps).
+        self.cache_stats = contract.CacheStats()
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
         self._closed = False
@@ -223,9 +246,25 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def running(self) -> int:
+        return int(self._running is not None)
+
+    def running_job(self) -> dict | None:
+        """Where the running job stands, for operators watching a long prefill: as of its last step."""
+        job = self._running
+        if job is None:
+            return None
+        stats = job.progress or contract.GenerationStats()
+        return {"request_id": job.request_id, "prompt_tokens": len(job.prompt_ids),
+                "cached_tokens": stats.cached_tokens, "prefilled_tokens": stats.prefilled_tokens,
+                "generated_tokens": stats.generated_tokens,
+                "running_s": round(trio.current_time() - (job.started_at or job.queued_at), 3)}
+
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-               grammar: str | None = None, protected: tuple[tuple[int, int], ...] = ()) -> Job:
+               grammar: str | None = None, conversation: str | None = None,
+               protected: tuple[tuple[int, int], ...] = ()) -> Job:
         """Queue a job; raise QueueFull or ShuttingDown at once rather than make the client wait."""
         if self._closed:
             raise ShuttingDown()
@@ -234,7 +273,8 @@ class Scheduler:
         waiting = len(self._queue) - (0 if self._running is not None else 1)
         if waiting >= self.queue_max:
             raise QueueFull(self.queue_max)
-        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs, grammar, protected)
+        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs, grammar, conversation,
+                  protected)
         self._queue.append(job)
         self._job_arrived.set()
         return job
@@ -262,8 +302,16 @@ class Scheduler:
             await self._worker.call(self._engine.checkpoint_prefix, list(turn_ids))
         except Exception:
             log.exception("turn_checkpoint_failed", request_id=job.request_id)
+        await self._read_cache_stats()
+
+    async def _read_cache_stats(self) -> None:
+        try:
+            self.cache_stats = await self._worker.call(self._engine.cache_stats)
+        except Exception:
+            log.exception("cache_stats_failed")
 
     async def run(self) -> None:
+        await self._read_cache_stats()
         while True:
             job = await self._next_job()
             if job is None:
@@ -282,14 +330,16 @@ class Scheduler:
         """Refuse new jobs and answer every queued one with ShuttingDown; the running one goes on."""
         self._closed = True
         while self._queue:
-            self._queue.popleft()._fail(ShuttingDown())
+            job = self._queue.popleft()
+            job._fail(ShuttingDown())
+            self._ended(job, "cancelled", "queued", None, reason="shutdown")
 
     def cancel_running(self) -> None:
         """Past the shutdown grace: stop the running job at its next step, telling its handler why."""
         job = self._running
         if job is not None:
             job._fail(ShuttingDown())
-            job.cancel()
+            job.cancel("shutdown")
 
     async def wait_idle(self) -> None:
         while self._running is not None:
@@ -299,7 +349,18 @@ class Scheduler:
         if job in self._queue:
             self._queue.remove(job)
             job._end()
-            log.info("job_cancelled", request_id=job.request_id, queued=True, stop_ms=0.0)
+            log.info("job_cancelled", request_id=job.request_id, queued=True, stop_ms=0.0, reason=job.cancel_reason)
+            self._ended(job, "cancelled", "queued", None)
+
+    def _ended(self, job: Job, outcome: str, phase: str, stats: contract.GenerationStats | None, *,
+               reason: str | None = None) -> None:
+        record = JobRecord(request_id=job.request_id, outcome=outcome, phase=phase,
+                           cancel_reason=(reason or job.cancel_reason) if outcome == "cancelled" else None,
+                           queue_s=job.queue_ms / 1000, stats=stats)
+        try:
+            self._on_job_end(record)
+        except Exception:
+            log.exception("job_record_failed", request_id=job.request_id)
 
     async def _next_job(self) -> Job | None:
         """The next queued job, or None when only a turn checkpoint is waiting."""
@@ -326,14 +387,18 @@ class Scheduler:
         except Exception as exc:
             log.exception("engine_start_failed", request_id=job.request_id)
             job._fail(EngineFailed(f"the engine could not start the generation: {exc}"))
+            self._ended(job, "failed", "prefill", None)
             return
-        finished = False
+        finished = failed = False
+        last: JobStep | None = None
         try:
             while not job.cancelled and not finished:
-                step = await self._worker.call(_take_step, generation)
-                job._deliver(step)
-                finished = step.finished is not None
+                last = await self._worker.call(_take_step, generation)
+                job.progress = last.stats
+                job._deliver(last)
+                finished = last.finished is not None
         except Exception as exc:
+            failed = True
             log.exception("engine_step_failed", request_id=job.request_id)
             job._fail(EngineFailed(f"generation failed: {exc}"))
         finally:
@@ -347,7 +412,12 @@ class Scheduler:
             if job.cancelled and not finished:
                 # The number operators (and bench/stress_cancel.py) watch: cancel -> engine ready.
                 log.info("job_cancelled", request_id=job.request_id, queued=False,
-                         stop_ms=round((trio.current_time() - job.cancelled_at) * 1000, 1))
+                         stop_ms=round((trio.current_time() - job.cancelled_at) * 1000, 1), reason=job.cancel_reason)
+            stats = last.stats if last is not None else None
+            phase = "decode" if stats is not None and stats.generated_tokens else "prefill"
+            outcome = "failed" if failed else "finished" if finished or not job.cancelled else "cancelled"
+            self._ended(job, outcome, phase, stats)
+        await self._read_cache_stats()
 
 
 def _take_step(generation: contract.Generation) -> JobStep:
@@ -357,7 +427,7 @@ def _take_step(generation: contract.Generation) -> JobStep:
     recorder = generation.sampler if isinstance(generation.sampler, LogprobRecorder) else None
     # The recorder saw every sampled token, an end-of-sequence one too, which is not in `tokens`.
     logprobs = recorder.take()[:len(tokens)] if recorder is not None else None
-    return JobStep(tokens=tokens, finished=output.finished, stats=copy.copy(generation.stats), logprobs=logprobs)
+    return JobStep(tokens=tokens, finished=output.finished, stats=copy.deepcopy(generation.stats), logprobs=logprobs)
 
 
 class LogprobRecorder:

@@ -23,6 +23,26 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length"]
 
 
+def acceptance_length(accepted_tokens: int, verification_steps: int) -> float:
+    """Mean tokens committed per verification forward (accepted drafts + the target's token)."""
+    if not verification_steps:
+        return 0.0
+    return (accepted_tokens + verification_steps) / verification_steps
+
+
+@attrs.define
+class DraftCounts:
+    """One drafter's share of a generation's speculation."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verification_steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        return acceptance_length(self.accepted_tokens, self.verification_steps)
+
+
 @attrs.define
 class GenerationStats:
     """A generation's numbers so far: data, one class for every engine (the scheduler hands a copy
@@ -40,13 +60,39 @@ class GenerationStats:
     verification_steps: int = 0
     compressed_from_tokens: int = 0  # the prompt's length before speculative prefill dropped tokens; 0 if it did not
     scoring_ms: float = 0.0  # speculative prefill's scorer
+    # The same three numbers for each drafter that proposed (by drafter name: "ngram", "dflash").
+    drafters: dict[str, DraftCounts] = attrs.field(factory=dict)
+
+    def record_draft(self, drafter: str, proposed: int, accepted: int) -> None:
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        self.verification_steps += 1
+        counts = self.drafters.setdefault(drafter, DraftCounts())
+        counts.draft_tokens += proposed
+        counts.accepted_tokens += accepted
+        counts.verification_steps += 1
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens committed per verification forward (accepted drafts + the target's token)."""
-        if not self.verification_steps:
-            return 0.0
-        return (self.accepted_tokens + self.verification_steps) / self.verification_steps
+        return acceptance_length(self.accepted_tokens, self.verification_steps)
+
+
+@attrs.frozen
+class CacheTier:
+    """One tier of the prefix caches: what it holds and how often a lookup found an entry."""
+
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+
+
+@attrs.frozen
+class CacheStats:
+    """What the engine keeps between requests, read in the engine thread between steps."""
+
+    kv_tokens: int = 0  # tokens whose keys/values the live KV state holds
+    kv_capacity: int = 0  # the most it can hold (max_ctx)
+    tiers: dict[str, CacheTier] = attrs.field(factory=dict)  # "prefix", "exact", "disk" when enabled
 
 
 class Step(Protocol):
@@ -100,6 +146,10 @@ class Engine(Protocol):
         ...
 
     def grammar_tokenizer(self) -> GrammarChecker: ...
+
+    def cache_stats(self) -> CacheStats:
+        """The live KV state and the prefix caches, for metrics; between steps."""
+        ...
 
     def close(self) -> None:
         """At shutdown, after the last generation."""

@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import torch
-
 
 def kind_from_flags(flags: frozenset[str]) -> str:
     """The strongest of AMX / AVX512-BF16 / AVX512 / AVX2 that a /proc/cpuinfo flag set names."""
@@ -28,6 +26,8 @@ def cpu_kind() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: torch's dispatch level (it cannot tell bf16 support)
+        import torch  # here: reading the kind must not cost a server on a fake engine torch's import
+
         return torch.backends.cpu.get_cpu_capability()
     flag_lines = (line.split(":", 1)[1] for line in text.splitlines() if line.startswith("flags"))
     return kind_from_flags(frozenset(next(flag_lines, "").split()))

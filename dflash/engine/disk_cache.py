@@ -43,6 +43,7 @@ log = structlog.get_logger("dflash.disk_cache")
 class DiskEntry:
     tokens: tuple[int, ...]
     path: Path
+    nbytes: int  # the file's size
 
 
 @attrs.frozen
@@ -60,7 +61,8 @@ def tokens_name(tokens: Sequence[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()[:32]
 
 
-def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor]) -> bytes:
+def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor], model: str = "") -> bytes:
+    """`model`: the served model's name, for `dflash cache ls` (not part of the identity)."""
     table, chunks, offset = [], [], 0
     for name, t in tensors.items():
         data = tensor_bytes(t)
@@ -69,8 +71,8 @@ def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, T
         chunks.append(data)
         offset += len(data)
     payload = b"".join(chunks)
-    header = json.dumps({"format": FORMAT, "identity": identity, "tokens": list(tokens), "tensors": table,
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    header = json.dumps({"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens),
+                         "tensors": table, "sha256": hashlib.sha256(payload).hexdigest()}).encode()
     return struct.pack("<Q", len(header)) + header + payload
 
 
@@ -139,12 +141,63 @@ def _running(pid: int) -> bool:
     return True
 
 
+@attrs.frozen
+class StoredSnapshot:
+    """One file of a disk cache folder as `dflash cache ls` shows it."""
+
+    path: Path
+    model: str  # the served model's name ("" for files written before names were recorded)
+    dtype: str
+    tokens: int
+    nbytes: int
+    last_used: float  # the file's mtime: written, or last restored
+    problem: str | None = None  # why the file cannot be served, if it cannot
+
+
+def stored_snapshots(folder: Path) -> list[StoredSnapshot]:
+    """The snapshot files of `folder`, most recently used first; a missing folder has none."""
+    found = []
+    for path in folder.glob(f"*{SUFFIX}") if folder.is_dir() else ():
+        try:
+            stat = path.stat()
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            header, _ = read_header(path)
+            identity = header.get("identity") or {}
+            found.append(StoredSnapshot(path, str(header.get("model") or ""), str(identity.get("dtype", "")),
+                                        len(header["tokens"]), stat.st_size, stat.st_mtime))
+        except (CorruptSnapshot, OSError, KeyError, TypeError, AttributeError) as exc:
+            found.append(StoredSnapshot(path, "", "", 0, stat.st_size, stat.st_mtime, problem=str(exc)))
+    return sorted(found, key=lambda snapshot: snapshot.last_used, reverse=True)
+
+
+def remove_snapshots(folder: Path) -> tuple[int, int]:
+    """Remove every snapshot file of `folder` and the leftovers of killed writers (not the
+    temporary files of writes still running); returns (files, bytes) removed."""
+    removed = removed_bytes = 0
+    if not folder.is_dir():
+        return 0, 0
+    leftovers = [path for path in folder.glob(f".*{TEMPORARY_SUFFIX}") if _abandoned(path)]
+    for path in [*folder.glob(f"*{SUFFIX}"), *leftovers]:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed += path.suffix == SUFFIX
+        removed_bytes += size
+    return removed, removed_bytes
+
+
 class DiskCache:
-    def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any]):
+    def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any], model: str = ""):
         self.folder = Path(folder).expanduser() if folder else None
         self.max_bytes = max_bytes
         self.identity = identity
+        self.model = model
         self._entries: dict[str, DiskEntry] = {}
+        self.hits = 0  # snapshots restored from here (counted by the caller that restores them)
         self._write_failed = False
         self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=8)
         self._writer: threading.Thread | None = None
@@ -160,6 +213,10 @@ class DiskCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in list(self._entries.values()))  # a copy: the writer may trim
+
     def _scan(self) -> None:
         """Index the files of this model; drop those that cannot be read or belong elsewhere, and
         the temporary files of writes that a killed process left behind."""
@@ -170,15 +227,33 @@ class DiskCache:
                 log.warning("disk_cache_leftover_removed", path=str(path))
                 path.unlink(missing_ok=True)
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
-            try:
-                header, _ = read_header(path)
-                if header.get("identity") != self.identity:
-                    raise CorruptSnapshot("made by another model, dtype, context size or chat template")
-                tokens = tuple(header["tokens"])
-            except (CorruptSnapshot, OSError, KeyError, TypeError) as exc:
-                self._discard(path, exc)
-                continue
-            self._entries[path.stem] = DiskEntry(tokens, path)
+            self._index(path)
+
+    def _index(self, path: Path) -> None:
+        try:
+            header, _ = read_header(path)
+            if header.get("identity") != self.identity:
+                raise CorruptSnapshot("made by another model, dtype, context size or chat template")
+            tokens = tuple(header["tokens"])
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return  # trimmed by another process between the listing and the read
+        except (CorruptSnapshot, OSError, KeyError, TypeError) as exc:
+            self._discard(path, exc)
+            return
+        self._entries[path.stem] = DiskEntry(tokens, path, size)
+
+    def _index_new_files(self) -> None:
+        """Index the snapshots other processes wrote to the folder since: the replicas of a
+        cluster share one disk_dir, so a conversation that moves to another replica restores
+        from the snapshot its old replica wrote. Only names not yet known cost a header read."""
+        try:
+            names = [entry.name for entry in os.scandir(self.folder) if entry.name.endswith(SUFFIX)]
+        except OSError:
+            return
+        for name in names:
+            if name[: -len(SUFFIX)] not in self._entries:
+                self._index(self.folder / name)
 
     def _discard(self, path: Path, reason: Exception) -> None:
         log.warning("disk_cache_file_skipped", path=str(path), reason=str(reason))
@@ -190,6 +265,8 @@ class DiskCache:
     def lookup(self, prompt: Sequence[int], deeper_than: int) -> LoadedSnapshot | None:
         """The deepest readable snapshot that is a proper prefix of `prompt` and longer than
         `deeper_than` tokens; unreadable candidates are removed on the way."""
+        if self.folder is not None:
+            self._index_new_files()
         candidates = sorted(
             # (a copy: the writer thread may trim entries meanwhile)
             (e for e in list(self._entries.values()) if deeper_than < len(e.tokens) < len(prompt)),
@@ -218,14 +295,14 @@ class DiskCache:
         tensors = {"keys": snapshot.keys, "values": snapshot.values}
         if draft_rows is not None:
             tensors["draft_rows"] = draft_rows
-        data = encode(self.identity, tokens, tensors)
+        data = encode(self.identity, tokens, tensors, self.model)
         if len(data) > self.max_bytes:
             return
         try:
             self._writes.put_nowait((name, data))
         except queue.Full:
             return  # the disk is behind; this snapshot stays in memory only
-        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}")
+        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}", len(data))
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
@@ -254,12 +331,18 @@ class DiskCache:
         self._trim()
 
     def _trim(self) -> None:
-        files = [(p.stat().st_mtime, p) for p in self.folder.glob(f"*{SUFFIX}")]
-        total = sum(p.stat().st_size for _, p in files)
-        for _, path in sorted(files):
+        files = []
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # removed meanwhile (`dflash cache clear`): not a write failure
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            total -= path.stat().st_size
+            total -= size
             path.unlink(missing_ok=True)
             self._entries.pop(path.stem, None)
 

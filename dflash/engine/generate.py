@@ -13,7 +13,7 @@ from typing import Literal, Sequence
 import attrs
 import torch
 
-from dflash.engine.contract import FinishReason, GenerationStats
+from dflash.engine.contract import CacheStats, CacheTier, FinishReason, GenerationStats
 from dflash.engine.disk_cache import DiskCache
 from dflash.engine.drafters.ngram import NgramDrafter
 from dflash.engine.pflash import PromptCompressor, Span, kept_boundaries
@@ -151,6 +151,13 @@ class Engine:
         """At shutdown: finish the disk cache's queued writes."""
         if self.disk_cache is not None:
             self.disk_cache.close()
+
+    def cache_stats(self) -> CacheStats:
+        tiers = {name: CacheTier(len(cache), cache.nbytes, cache.hits)
+                 for name, cache in (("prefix", self.prefix_cache), ("exact", self.prompt_cache)) if cache.enabled}
+        if self.disk_cache is not None and self.disk_cache.enabled:
+            tiers["disk"] = CacheTier(len(self.disk_cache), self.disk_cache.nbytes, self.disk_cache.hits)
+        return CacheStats(kv_tokens=self.kv.length, kv_capacity=self.max_ctx, tiers=tiers)
 
     def grammar_tokenizer(self):
         if self._grammar_tokenizer is None:
@@ -329,9 +336,7 @@ class Generation:
             accepted += 1
         # Keep the pending token and the accepted drafts; the last emitted token is the new pending one.
         self.engine.rollback(base + 1 + accepted)
-        self.stats.draft_tokens += len(draft)
-        self.stats.accepted_tokens += matched
-        self.stats.verification_steps += 1
+        self.stats.record_draft(drafter.name, len(draft), matched)
         self.speculation.record(drafter, len(draft), matched, time.perf_counter() - started)
         return StepOutput(emitted, self.finished, "decode")
 

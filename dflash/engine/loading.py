@@ -135,12 +135,25 @@ def load_model(
         compressor=prompt_compressor(compression, model, backend, cache, dtype, max_ctx),
         disk_cache=(
             DiskCache(disk_cache_dir, disk_cache_mib << 20,
-                      model_identity(folder, dtype, max_ctx, model.args.rope_scaling, tokenizer, draft_model))
+                      model_identity(folder, dtype, max_ctx, model.args.rope_scaling, tokenizer, draft_model),
+                      model=model_id)
             if disk_cache_dir and backend == "native"
             else None
         ),
     )
     return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
+
+
+def load_tokenizer(source: str, cache_dir: str | os.PathLike | None = None):
+    """The model's tokenizer without its weights: a cluster's HTTP front renders prompts and
+    detokenizes, its replicas run the model."""
+    _, folder = resolve_source(source, Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR)
+    return _load_tokenizer(folder)
+
+
+def weights_format(source: str) -> str:
+    """What a source's weights are read from (the embedded model is a GGUF file)."""
+    return "gguf" if source.startswith("embedded:") or source.lower().endswith(".gguf") else "safetensors"
 
 
 def weights_fingerprint(folder: Path) -> str:

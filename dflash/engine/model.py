@@ -264,7 +264,9 @@ class Attention(nn.Module):
         v = qkv[:, H + KV :]
         keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
         q = q.to(keys.dtype)
-        if T == 1 or mask is not None or T >= UPCAST_MIN_ROWS:
+        if T >= UPCAST_MIN_ROWS and mask is None and x.device.type == "cpu":
+            out = causal_chunk_attention(q, keys, values, start)  # a prefill chunk
+        elif T == 1 or mask is not None or T >= UPCAST_MIN_ROWS:
             if mask is None and T > 1:
                 mask = causal_mask(T, start, x.device)
             out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
@@ -295,6 +297,40 @@ def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tenso
     # 4-D inputs: the CPU flash kernel only takes [batch, heads, rows, D]; 3-D ones fall back to math.
     out = F.scaled_dot_product_attention(rows[None], keys[None], values[None], attn_mask=mask)
     return out[0].view(KV, G, T, D).permute(2, 0, 1, 3)
+
+
+def causal_chunk_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
+    """q [T, H, D] at positions start..start+T-1, keys/values [KV, start+T, D] -> [T, H, D], causal.
+
+    Two unmasked calls instead of one masked: the committed keys (every new token sees them all)
+    and the chunk's own keys (a square causal block), merged by their log-sum-exps. A [T, start+T]
+    mask costs a float conversion per layer and makes the flash kernel read it: at 16K of context
+    this made a 256-token prefill chunk 1.5x faster (AMX; the saving is memory traffic).
+    """
+    T, H, D = q.shape
+    KV = keys.shape[0]
+    G = H // KV
+    rows = q.view(T, KV, G, D).permute(1, 2, 0, 3)  # [KV, G, T, D]: heads sharing keys side by side
+    # Expanded (stride 0) over the G query heads: no copy of the keys.
+    chunk_keys = keys[:, start:].unsqueeze(1).expand(KV, G, T, D)
+    chunk_values = values[:, start:].unsqueeze(1).expand(KV, G, T, D)
+    out, log_sum_exp = _flash_attention(rows, chunk_keys, chunk_values, is_causal=True)  # [KV, G, T, D], [KV, G, T]
+    if start:
+        committed_out, committed_lse = _flash_attention(rows.reshape(1, KV, G * T, D), keys[None, :, :start],
+                                                        values[None, :, :start])
+        committed_out = committed_out.view(KV, G, T, D)
+        committed_lse = committed_lse.view(KV, G, T)
+        peak = torch.maximum(log_sum_exp, committed_lse)
+        weight = (log_sum_exp - peak).exp_().unsqueeze(-1)
+        committed_weight = (committed_lse - peak).exp_().unsqueeze(-1)
+        out = (out * weight + committed_out * committed_weight) / (weight + committed_weight)
+    return out.permute(2, 0, 1, 3)
+
+
+def _flash_attention(q: Tensor, keys: Tensor, values: Tensor, is_causal: bool = False) -> tuple[Tensor, Tensor]:
+    """(output, log-sum-exp of each row's scores) from the CPU flash kernel: the merge above needs
+    the second, which F.scaled_dot_product_attention does not return."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, is_causal=is_causal)[:2]
 
 
 def causal_mask(new_tokens: int, start: int, device: torch.device) -> Tensor:

@@ -39,7 +39,7 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()
         self.nbytes = 0
-        self.hits = 0
+        self.hits = 0  # entries restored for a prompt (counted by the caller that restores them)
 
     @property
     def enabled(self) -> bool:
@@ -66,7 +66,6 @@ class PrefixCache:
         best = self.deepest(prompt)
         if best is not None:
             self._entries.move_to_end(best.tokens)
-            self.hits += 1
         return best
 
     def store(self, tokens: Sequence[int], snapshot, draft_rows: Tensor | None = None,

@@ -107,17 +107,19 @@ class PrefixReuse:
         least one token to compute: its logits give the first generated token). Returns how many
         prompt tokens the KV state holds, and whether they include a generated turn."""
         live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1) if self.reuse_live_state else 0
-        candidates = [self.prefix_cache.lookup(prompt), self.prompt_cache.lookup(prompt)]
-        entry = max((c for c in candidates if c is not None), key=lambda c: len(c.tokens), default=None)
+        found = [(cache, cache.lookup(prompt)) for cache in (self.prefix_cache, self.prompt_cache)]
+        source, entry = max(((cache, entry) for cache, entry in found if entry is not None),
+                            key=lambda pair: len(pair[1].tokens), default=(None, None))
         depth = max(live, len(entry.tokens) if entry is not None else 0)
         if self.disk_cache is not None:
-            found = self.disk_cache.lookup(prompt, deeper_than=depth)
-            if found is not None:
-                self.prefix_cache.store(found.tokens, found.snapshot, found.draft_rows)
-                entry = CacheEntry(found.tokens, found.snapshot, found.draft_rows, 0)
+            loaded = self.disk_cache.lookup(prompt, deeper_than=depth)
+            if loaded is not None:
+                self.prefix_cache.store(loaded.tokens, loaded.snapshot, loaded.draft_rows)
+                source, entry = self.disk_cache, CacheEntry(loaded.tokens, loaded.snapshot, loaded.draft_rows, 0)
         if entry is None or len(entry.tokens) <= live:
             kept = self.rollback(live)
             return kept, self.generated_from is not None and kept > self.generated_from
+        source.hits += 1
         generated_from = entry.generated_from
         return self._restore(entry), generated_from is not None and len(entry.tokens) > generated_from
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 
@@ -117,13 +117,15 @@ def offered_key(request: Request) -> str | None:
 class Router:
     def __init__(self, routes: Mapping[tuple[str, str], Handler], *, error_response: ErrorResponder,
                  api_keys: Sequence[str] = (), cors: CORSPolicy = CORSPolicy(), hosts: HostPolicy = HostPolicy(),
-                 open_paths: Collection[str] = ("/health",)):
+                 open_paths: Collection[str] = ("/health",),
+                 is_open: Callable[[Request], bool] = lambda request: False):
         self._routes = dict(routes)
         self._error_response = error_response
         self._keys = APIKeys(api_keys)
         self._hosts = hosts
         self._cors = cors
         self._open_paths = frozenset(open_paths)
+        self._is_open = is_open  # other requests answered without a key (decided per request, not by path)
 
     def common_headers(self, request: Request | None) -> list[tuple[str, str]]:
         return self._cors.headers(request)
@@ -135,13 +137,16 @@ class Router:
                                                            "[server] allowed_hosts only")
         if request.method == "OPTIONS":
             return self._cors.preflight(request)
-        if self._keys.required and request.path not in self._open_paths and not self._keys.accepts(request):
+        if self._keys.required and not self._open(request) and not self._keys.accepts(request):
             response = self._error_response(request.path, 401, "invalid or missing API key")
             return attrs.evolve(response, headers=(*response.headers, ("www-authenticate", "Bearer")))
         handler = self._find(request)
         if handler is None:
             return self._not_routed(request)
         return await handler(request, writer)
+
+    def _open(self, request: Request) -> bool:
+        return request.path in self._open_paths or self._is_open(request)
 
     def _find(self, request: Request) -> Handler | None:
         handler = self._routes.get((request.method, request.path))

@@ -89,6 +89,19 @@ class Response:
         return cls(status, body, (("content-type", "application/json"), *headers))
 
 
+@attrs.frozen
+class RequestDone:
+    """A finished request as its log line tells it, for whoever watches requests (metrics)."""
+
+    id: str | None
+    method: str | None
+    path: str | None  # None when the request line never parsed
+    status: int | None  # None when nothing was sent
+    duration_s: float
+    client_disconnected: bool
+    fields: dict  # what the handler added to the log line (dialect, token counts, timings)
+
+
 class _Connection:
     """One socket and its h11 state machine. Sends are serialized: a handler and its SSE ticker
     may write concurrently, and h11's state must advance in the order the bytes go out."""
@@ -248,6 +261,7 @@ Handler = Callable[[Request, ResponseWriter], Awaitable[Response | None]]
 # (path or None when the request line never parsed, status, message) -> the refusal's response.
 ErrorResponder = Callable[[str | None, int, str], Response]
 CommonHeaders = Callable[[Request | None], Sequence[tuple[str, str]]]
+RequestObserver = Callable[[RequestDone], None]
 
 
 def plain_error(path: str | None, status: int, message: str) -> Response:
@@ -256,8 +270,9 @@ def plain_error(path: str | None, status: int, message: str) -> Response:
 
 class HTTPServer:
     def __init__(self, handler: Handler, limits: Limits, *, common_headers: CommonHeaders = lambda request: (),
-                 error_response: ErrorResponder = plain_error):
+                 error_response: ErrorResponder = plain_error, on_request: RequestObserver = lambda done: None):
         self._handler = handler
+        self._on_request = on_request
         self.limits = limits
         self._common_headers = common_headers
         self._error_response = error_response
@@ -372,10 +387,19 @@ class HTTPServer:
             if not self.active_requests:
                 self._requests_done.set()
                 self._requests_done = trio.Event()
+            duration_s = trio.current_time() - started
             log.info("request", id=request.id, method=request.method, path=request.path, status=writer.status,
-                     duration_ms=round((trio.current_time() - started) * 1000, 1),
-                     client_disconnected=client_disconnected, **request.log)
+                     duration_ms=round(duration_s * 1000, 1), client_disconnected=client_disconnected, **request.log)
+            self.observe(RequestDone(request.id, request.method, request.path, writer.status, duration_s,
+                                     client_disconnected, request.log))
         return writer.finished and connection.h11.our_state is h11.DONE and connection.h11.their_state is h11.DONE
+
+    def observe(self, done: RequestDone) -> None:
+        """Tell the request observer; its failure is logged, never the request's."""
+        try:
+            self._on_request(done)
+        except Exception:
+            log.exception("request_observer_failed", path=done.path)
 
     async def _run_handler(self, request: Request, writer: ResponseWriter) -> None:
         """The one place a handler's unexpected error is caught: answered with a 500 in the path's
@@ -408,6 +432,8 @@ class HTTPServer:
         log.info("request", id=request.id if request else None, method=request.method if request else None,
                  path=request.path if request else None, status=refusal.status, refused=refusal.message,
                  client_disconnected=False)
+        self.observe(RequestDone(request.id if request else None, request.method if request else None,
+                                 request.path if request else None, refusal.status, 0.0, False, {}))
         await connection.linger_and_close()
 
 

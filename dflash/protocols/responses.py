@@ -481,8 +481,19 @@ def render_usage(usage: Usage) -> dict:
             "total_tokens": usage.total_tokens, "timings": timings(usage)}
 
 
+# Codex's own instructions for its hosted models run to ~4K tokens; a local model pays for every
+# one of them in prefill on each new conversation, and a small model follows a short text better.
+CODEX_BASE_INSTRUCTIONS = """You are a coding agent in the user's terminal (Codex CLI), served by a local model.
+Work in the current folder. To look around or run anything, call the shell tool; to change files, call apply_patch
+with a patch that starts with "*** Begin Patch" and ends with "*** End Patch". Read a file before you change it.
+Make the smallest change that does the task, then check it (run the tests or the program when you can).
+Keep answers short: say what you did and anything the user must know. Ask only when the task is ambiguous."""
+
+
 def codex_model_entry(model_id: str, max_ctx: int, priority: int) -> dict:
-    """A model in the catalog Codex fetches with GET /v1/models?client_version=…"""
+    """A model in the catalog Codex reads (its provider's `model_catalog_url`, or a file named by
+    `model_catalog_json`). Codex 0.171 rejects an entry missing any of these fields and falls back
+    to default metadata: its ~4K-token instructions and no apply_patch tool."""
     return {
         "slug": model_id, "display_name": model_id, "description": "Local dflash server",
         "default_reasoning_level": "medium",
@@ -490,4 +501,7 @@ def codex_model_entry(model_id: str, max_ctx: int, priority: int) -> dict:
                                        for effort in ("low", "medium", "high")],
         "shell_type": "shell_command", "visibility": "list", "supported_in_api": True, "priority": priority,
         "context_window": max_ctx, "supports_reasoning_summaries": False, "supports_parallel_tool_calls": True,
+        "base_instructions": CODEX_BASE_INSTRUCTIONS, "support_verbosity": False,
+        "apply_patch_tool_type": "freeform", "truncation_policy": {"mode": "bytes", "limit": 10000},
+        "experimental_supported_tools": [],
     }

@@ -57,7 +57,7 @@ CLAUDE_CODE = NpmCli("@anthropic-ai/claude-code", "2.1.197", "claude")
 def installed(cli: NpmCli) -> Path:
     """The CLI's executable, installed into the cache on first use."""
     CLI_CACHE.mkdir(parents=True, exist_ok=True)
-    with _locked(CLI_CACHE / f"{cli.folder.name}.lock"):
+    with locked(CLI_CACHE / f"{cli.folder.name}.lock"):
         if not _runs(cli):
             _npm_install(cli)
             if not _runs(cli):
@@ -66,7 +66,7 @@ def installed(cli: NpmCli) -> Path:
     return cli.executable
 
 
-def _unavailable(reason: str) -> None:
+def unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI is set: the real-client tests must run here)")
     pytest.skip(reason)
@@ -75,14 +75,14 @@ def _unavailable(reason: str) -> None:
 def _npm_install(cli: NpmCli) -> None:
     npm = shutil.which("npm")
     if npm is None:
-        _unavailable(f"npm is not on PATH: cannot install {cli.spec}")
+        unavailable(f"npm is not on PATH: cannot install {cli.spec}")
     try:
         done = subprocess.run([npm, "install", "--prefix", str(cli.folder), "--no-audit", "--no-fund", cli.spec],
                               capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        _unavailable(f"npm install {cli.spec} took over {INSTALL_TIMEOUT_S}s")
+        unavailable(f"npm install {cli.spec} took over {INSTALL_TIMEOUT_S}s")
     if done.returncode != 0:
-        _unavailable(f"npm install {cli.spec} failed ({done.returncode}): {done.stderr[-1500:]}")
+        unavailable(f"npm install {cli.spec} failed ({done.returncode}): {done.stderr[-1500:]}")
 
 
 def _runs(cli: NpmCli) -> bool:
@@ -94,7 +94,7 @@ def _runs(cli: NpmCli) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -129,32 +129,17 @@ def claude_code_command(executable: Path, prompt: str, model: str, allowed_tools
 
 # ---- Codex ------------------------------------------------------------------------------------
 
-def codex_catalog(model: str, context_window: int) -> dict:
-    """Codex's metadata for `model` (its `model_catalog_json`): without it Codex falls back to
-    defaults that offer no apply_patch tool. The fields Codex 0.171 requires, apply_patch freeform."""
-    return {"models": [{
-        "slug": model, "display_name": model, "description": "dflash test server",
-        "supported_reasoning_levels": [], "shell_type": "shell_command", "visibility": "list",
-        "supported_in_api": True, "priority": 1, "base_instructions": "You are a coding agent.",
-        "supports_reasoning_summaries": False, "support_verbosity": False, "apply_patch_tool_type": "freeform",
-        "truncation_policy": {"mode": "bytes", "limit": 10000}, "supports_parallel_tool_calls": True,
-        "context_window": context_window, "experimental_supported_tools": [],
-    }]}
-
-
-def write_codex_home(folder: Path, base_url: str, model: str, *, websockets: bool = False,
-                     catalog: dict | None = None) -> Path:
-    """A CODEX_HOME whose config.toml points Codex at `base_url` (…/v1) over the Responses API."""
+def write_codex_home(folder: Path, base_url: str, model: str, *, websockets: bool = False) -> Path:
+    """A CODEX_HOME whose config.toml points Codex at `base_url` (…/v1) over the Responses API, with
+    the model metadata from the server's own catalog (as the README tells users to set it up)."""
     folder.mkdir(parents=True, exist_ok=True)
-    lines = [f"model = {json.dumps(model)}", 'model_provider = "dflash"']
-    if catalog is not None:
-        (folder / "catalog.json").write_text(json.dumps(catalog))
-        lines.append(f"model_catalog_json = {json.dumps(str(folder / 'catalog.json'))}")
-    lines += ["[model_providers.dflash]", 'name = "dflash"', f"base_url = {json.dumps(base_url)}",
-              'wire_api = "responses"', 'env_key = "DFLASH_API_KEY"',
-              # A failure is the test's answer; retries would only make it slower to arrive.
-              "request_max_retries = 0", "stream_max_retries = 0",
-              f"supports_websockets = {json.dumps(websockets)}"]
+    lines = [f"model = {json.dumps(model)}", 'model_provider = "dflash"',
+             "[model_providers.dflash]", 'name = "dflash"', f"base_url = {json.dumps(base_url)}",
+             'wire_api = "responses"', 'env_key = "DFLASH_API_KEY"',
+             f"model_catalog_url = {json.dumps(base_url + '/models')}",
+             # A failure is the test's answer; retries would only make it slower to arrive.
+             "request_max_retries = 0", "stream_max_retries = 0",
+             f"supports_websockets = {json.dumps(websockets)}"]
     (folder / "config.toml").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -175,8 +160,10 @@ def codex_events(stdout: str) -> list[dict]:
 
 
 def codex_failures(events: list[dict]) -> list[dict]:
-    """Stream errors and failed turns (not the `error` items, which are warnings such as unknown model metadata)."""
-    return [event for event in events if event["type"] in ("error", "turn.failed")]
+    """Stream errors, failed turns and `error` items (warnings, such as model metadata Codex could
+    not find in the server's catalog)."""
+    return [event for event in events if event["type"] in ("error", "turn.failed")
+            or (event["type"] == "item.completed" and event["item"]["type"] == "error")]
 
 
 def codex_messages(events: list[dict]) -> list[str]:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.clis import (claude_code_command, claude_code_env, codex_catalog, codex_command, codex_env,
+from dflash.protocols.responses import CODEX_BASE_INSTRUCTIONS
+from tests.integration.clis import (claude_code_command, claude_code_env, codex_command, codex_env,
                                     codex_events, codex_failures, codex_messages, outcome, run_cli, write_codex_home)
 from tests.integration.thread_server import ThreadServer, serving
 from tests.scripted_engine import ScriptedEngine, Step, scripted_loader
@@ -88,8 +89,7 @@ def run_codex_edit(codex: Path, tmp_path: Path, *, websockets: bool):
     task = "Make the kettle green."
     steps = [Step(task, read_note), Step(NOTE, patch), Step(PATCH_APPLIED, FINAL_ANSWER)]
     with scripted_server(steps) as (engine, server):
-        codex_home = write_codex_home(tmp_path / "codex-home", f"{server.base_url}/v1", MODEL, websockets=websockets,
-                                      catalog=codex_catalog(MODEL, engine.max_ctx))
+        codex_home = write_codex_home(tmp_path / "codex-home", f"{server.base_url}/v1", MODEL, websockets=websockets)
         done = run_cli(codex_command(codex, task, run_tools=True), cwd=work,
                        env=codex_env(tmp_path / "home", codex_home), timeout_s=CLI_TIMEOUT_S)
     return done, engine, server, work
@@ -108,8 +108,11 @@ def check_codex_edit(done: subprocess.CompletedProcess, engine: ScriptedEngine, 
 
 
 def test_codex_runs_a_shell_command_and_applies_a_patch(codex, tmp_path):
-    done, engine, _, work = run_codex_edit(codex, tmp_path, websockets=False)
+    done, engine, server, work = run_codex_edit(codex, tmp_path, websockets=False)
     check_codex_edit(done, engine, work)
+    # The apply_patch tool and the short instructions come from the server's catalog.
+    assert [line["status"] for line in server.requests("/v1/models")] == [200]
+    assert CODEX_BASE_INSTRUCTIONS in engine.scripted_turns()[0].prompt
 
 
 def test_codex_over_websocket_chains_turns_by_previous_response_id(codex, tmp_path):

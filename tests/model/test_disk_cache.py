@@ -40,6 +40,19 @@ def test_a_restart_restores_from_disk_with_the_same_output(model, tmp_path):
     assert stats.prefilled_tokens == len(CONVERSATION) - BOUNDARY
 
 
+def test_engines_sharing_a_folder_restore_each_others_snapshots(model, tmp_path):
+    """A cluster's replicas share disk_dir: what one writes, another (started before) restores."""
+    disks = [DiskCache(tmp_path, max_bytes=1 << 30, identity=IDENTITY) for _ in range(2)]
+    engines = [Engine(model, max_ctx=128, prefix_cache=PrefixCache(4, 1 << 30), disk_cache=disk) for disk in disks]
+    first = engines[0].start(CONVERSATION, SamplingParams(), max_tokens=6, snapshot_at=(BOUNDARY,))
+    out = first.run()
+    disks[0].flush()
+    moved = engines[1].start(CONVERSATION, SamplingParams(), max_tokens=6, snapshot_at=(BOUNDARY,))
+    assert moved.run() == out and moved.stats.cached_tokens == BOUNDARY
+    for disk in disks:
+        disk.close()
+
+
 def damage(path, how):
     data = path.read_bytes()
     if how == "truncated":

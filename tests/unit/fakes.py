@@ -21,7 +21,7 @@ import attrs
 
 from dflash.chat.template import ChatTemplate, Tokenized
 from dflash.config import Config
-from dflash.engine.contract import GenerationStats
+from dflash.engine.contract import CacheStats, GenerationStats
 from dflash.protocols.canonical import GenerationRequest, Message
 from dflash.reply import ModelText
 
@@ -199,6 +199,13 @@ class FakeEngine:
     def grammar_tokenizer(self) -> FakeGrammarTokenizer:
         self.threads.add(threading.current_thread().name)
         return FakeGrammarTokenizer()
+
+    def cache_stats(self) -> CacheStats:
+        """The live state holds the last generation's prompt and output, as the real engine's does."""
+        self.threads.add(threading.current_thread().name)
+        last = self.generations[-1] if self.generations else None
+        held = len(last.prompt_ids) + len(last.output) if last is not None else 0
+        return CacheStats(kv_tokens=held, kv_capacity=self.max_ctx)
 
     def close(self) -> None:
         self.threads.add(threading.current_thread().name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import trio
@@ -182,3 +183,28 @@ async def test_engine_failure_is_a_500_and_the_engine_serves_the_next_request(st
     engine.fail_on_step = None
     assert (await request(served.port, "POST", CHAT, json_body=chat_body())).status == 200
     assert all(generation.closed for generation in engine.generations)
+
+
+async def test_root_shows_how_far_a_long_prefill_has_come(start_server):
+    engine = FakeEngine(prefill_chunk=4, prefill_step_s=0.05)
+    served = await start_server(engine)
+    long_text = "word " * 200
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(request, served.port, "POST", CHAT,
+                                             json_body=chat_body(messages=[{"role": "user", "content": long_text}])))
+
+        async def prefilled() -> int:
+            running = (await request(served.port, "GET", "/")).json()["running"]
+            return running["prefilled_tokens"] if running else -1
+
+        seen = []
+        with trio.fail_after(10):
+            while len(set(seen) - {-1, 0}) < 2:  # two different counts, mid-prefill
+                seen.append(await prefilled())
+                await trio.sleep(0.06)
+        running = (await request(served.port, "GET", "/")).json()["running"]
+        assert running["prompt_tokens"] > running["prefilled_tokens"] > 0
+        assert running["generated_tokens"] == 0 and running["running_s"] > 0
+        nursery.cancel_scope.cancel()
+    await wait_until(lambda: engine.idle)
+    assert (await request(served.port, "GET", "/")).json()["running"] is None
