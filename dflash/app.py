@@ -58,6 +58,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         disk_cache_mib=cache.disk_max_mib,
         agent_turn_cache=cache.agent_turn_cache,
         reuse_live_state=cache.reuse_live_state,
+        compression=compression_settings(full_config.prefill),
     )
     text = ModelText(
         model_id=loaded.model_id,
@@ -67,9 +68,17 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         token_bytes=partial(token_bytes, loaded.tokenizer),
         vocab_size=loaded.engine.vocab_size,
         aliases=config.aliases,
+        compresses_to_fit=full_config.prefill.compression != "off",
         weights_format=weights_format(config.source),
     )
     return loaded.engine, text
+
+
+def compression_settings(prefill):
+    from dflash.engine.pflash import CompressionSettings
+
+    return CompressionSettings(mode=prefill.compression, threshold_tokens=prefill.threshold_tokens,
+                               keep_ratio=prefill.keep_ratio, chunk_tokens=prefill.chunk_tokens, scorer=prefill.scorer)
 
 
 def limits_of(config: Config) -> Limits:

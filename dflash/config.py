@@ -130,6 +130,25 @@ class CacheConfig:
     reuse_live_state: bool = True
 
 
+def _scorer(instance, attribute, value):
+    if value.startswith("self:") and not (value[5:].isdigit() and int(value[5:]) >= 1):
+        raise _Invalid(value, "'self:N' (the model's first N layers, N >= 1) or a model source", key=attribute.name)
+    if not value:
+        raise _Invalid(value, "'self:N' or a model source", key=attribute.name)
+
+
+@attrs.frozen
+class PrefillConfig:
+    # Speculative prefill (engine/pflash.py): "auto" compresses prompts with at least
+    # threshold_tokens uncached tokens, "always" every prompt with something to drop, "fit" only
+    # prompts longer than the context (instead of refusing them).
+    compression: str = attrs.field(default="off", validator=_one_of("off", "auto", "always", "fit"))
+    threshold_tokens: int = attrs.field(default=8192, validator=_ints(1))
+    keep_ratio: float = attrs.field(default=0.2, validator=_number_range("a ratio", 0.0, 1.0, low_inclusive=False))
+    chunk_tokens: int = attrs.field(default=32, validator=_ints(1, 4096))
+    scorer: str = attrs.field(default="self:8", validator=_scorer)
+
+
 @attrs.frozen
 class LoggingConfig:
     level: str = attrs.field(default="info", validator=_one_of("debug", "info", "warning", "error"))
@@ -164,6 +183,7 @@ class Config:
     model: ModelConfig = attrs.Factory(ModelConfig)
     speculative: SpeculativeConfig = attrs.Factory(SpeculativeConfig)
     cache: CacheConfig = attrs.Factory(CacheConfig)
+    prefill: PrefillConfig = attrs.Factory(PrefillConfig)
     logging: LoggingConfig = attrs.Factory(LoggingConfig)
     cluster: ClusterConfig = attrs.Factory(ClusterConfig)
 

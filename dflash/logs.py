@@ -60,5 +60,6 @@ def config_summary(config: Config) -> dict:
         "max_ctx": config.model.max_ctx,
         "threads": config.model.threads,
         "prefill_chunk": config.model.prefill_chunk,
+        "compression": config.prefill.compression,
         "log_text": config.logging.log_text,
     }

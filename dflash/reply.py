@@ -53,6 +53,8 @@ class ModelText:
     token_bytes: Callable[[int], bytes]  # one token's text, for logprobs
     vocab_size: int
     aliases: tuple[str, ...] = ()
+    # Speculative prefill is on: a prompt longer than the context is compressed to fit, not refused.
+    compresses_to_fit: bool = False
     weights_format: str = "unknown"  # what the weights were read from: gguf, safetensors (for operators)
 
 
@@ -103,6 +105,8 @@ class Reply:
             accepted_tokens=usage.accepted_tokens,
             acceptance_length=round(usage.acceptance_length, 3),
         )
+        if usage.compressed_from_tokens:
+            fields.update(compressed_from_tokens=usage.compressed_from_tokens, scoring_ms=round(usage.scoring_ms, 1))
         if with_text:
             fields["completion_text"] = self.texts[0] if len(self.texts) == 1 else self.texts
         return fields
@@ -133,7 +137,7 @@ class Replies:
         """Render and check what can be checked without the engine; APIError (400) if refused."""
         prompt = self.render_prompt(request)
         self._check_logit_bias(request)
-        max_tokens = self._fit_max_tokens(len(prompt.token_ids), request.max_tokens)
+        max_tokens = self._fit_max_tokens(prompt, request.max_tokens)
         constraint = reply_constraint(request, starts_in_thinking=prompt.starts_in_thinking)
         return Reply(request, prompt, max_tokens, call_id, request_id, conversation, constraint)
 
@@ -242,13 +246,19 @@ class Replies:
                 raise APIError(400, f"'logit_bias' names token {token_id}, but the vocabulary has "
                                     f"{self.model.vocab_size} tokens", param="logit_bias")
 
-    def _fit_max_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+    def _fit_max_tokens(self, prompt: RenderedPrompt, max_tokens: int) -> int:
         """Clamp to the room left in the context (the reply then ends with finish reason "length");
-        refuse only a prompt that leaves no room at all."""
+        refuse only a prompt that leaves no room at all — unless compression will make it fit (the
+        engine then clamps to the room the compressed prompt leaves), which needs room for what
+        it must keep."""
+        prompt_tokens = len(prompt.token_ids)
         room = self.model.max_ctx - prompt_tokens
-        if room < 1:
+        if room >= 1:
+            return min(max_tokens, room)
+        kept = sum(end - start for start, end in prompt.protected)
+        if not self.model.compresses_to_fit or kept >= self.model.max_ctx:
             raise context_length_error(self.model.max_ctx, prompt_tokens, max_tokens)
-        return min(max_tokens, room)
+        return max_tokens
 
     def _submit(self, reply: Reply) -> Job:
         request = reply.request
@@ -256,7 +266,8 @@ class Replies:
             return self._scheduler.submit(reply.prompt.token_ids, request.sampling, reply.max_tokens,
                                           request_id=reply.request_id, snapshot_at=reply.prompt.snapshot_at,
                                           top_logprobs=request.top_logprobs if request.logprobs else None,
-                                          grammar=reply.grammar, conversation=reply.conversation)
+                                          grammar=reply.grammar, conversation=reply.conversation,
+                                          protected=reply.prompt.protected)
         except QueueFull as exc:
             raise APIError(429, str(exc), headers=[("retry-after", str(RETRY_AFTER_S))]) from None
         except ShuttingDown as exc:
@@ -272,7 +283,8 @@ def _usage(step: JobStep | None, prompt_tokens: int) -> Usage:
                  prefill_ms=stats.prefill_ms, decode_ms=stats.decode_ms,
                  draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
                  verification_steps=stats.verification_steps,
-                 agent_turn_cache_hit=int(stats.agent_turn_cache_hit))
+                 agent_turn_cache_hit=int(stats.agent_turn_cache_hit),
+                 compressed_from_tokens=stats.compressed_from_tokens, scoring_ms=stats.scoring_ms)
 
 
 def _as_api_error(exc: ShuttingDown | EngineFailed) -> APIError:

@@ -138,7 +138,8 @@ class Job:
 
     def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                  request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-                 grammar: str | None = None, conversation: str | None = None):
+                 grammar: str | None = None, conversation: str | None = None,
+                 protected: tuple[tuple[int, int], ...] = ()):
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.max_tokens = max_tokens
@@ -146,6 +147,7 @@ class Job:
         self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
         self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
         self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
+        self.protected = protected  # prompt token spans that prompt compression must keep
         self.conversation = conversation  # the client's session id, when it sent one (a cluster routes by it)
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
@@ -261,7 +263,8 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-               grammar: str | None = None, conversation: str | None = None) -> Job:
+               grammar: str | None = None, conversation: str | None = None,
+               protected: tuple[tuple[int, int], ...] = ()) -> Job:
         """Queue a job; raise QueueFull or ShuttingDown at once rather than make the client wait."""
         if self._closed:
             raise ShuttingDown()
@@ -270,7 +273,8 @@ class Scheduler:
         waiting = len(self._queue) - (0 if self._running is not None else 1)
         if waiting >= self.queue_max:
             raise QueueFull(self.queue_max)
-        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs, grammar, conversation)
+        job = Job(self, prompt_ids, sampling, max_tokens, request_id, snapshot_at, top_logprobs, grammar, conversation,
+                  protected)
         self._queue.append(job)
         self._job_arrived.set()
         return job
@@ -371,7 +375,7 @@ class Scheduler:
     def _start_generation(self, job: Job) -> contract.Generation:
         """In the engine thread."""
         generation = self._engine.start(job.prompt_ids, job.sampling, job.max_tokens, snapshot_at=job.snapshot_at,
-                                        grammar=job.grammar)
+                                        grammar=job.grammar, protected=job.protected)
         if job.top_logprobs is not None:
             generation.sampler = LogprobRecorder(generation.sampler, job.top_logprobs)
         return generation

@@ -8,7 +8,10 @@ embedded SmolLM2's) gets the built-in Hermes/Qwen-style tool prompt in its syste
 
 Earlier tool-call turns are replayed from tool memory when it has them, so the prompt holds the
 exact text the model generated. The rendered prompt also says where its messages end (in
-tokens), so the engine can keep prefix-cache snapshots at those boundaries.
+tokens), so the engine can keep prefix-cache snapshots at those boundaries, and which tokens
+prompt compression must keep: all but the contents of the user, assistant and tool messages
+before the last user turn (the system prompt and its tool definitions, the template's own text,
+the last user turn and the generation prompt are never dropped).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class RenderedPrompt:
     snapshot_at: tuple[int, ...]  # token positions just after each message that the prompt closes
     starts_in_thinking: bool  # the generation prompt opened a <think> block
     thinking_prefix: str  # that opening, which a replayed turn must start with to match
+    protected: tuple[tuple[int, int], ...] = ()  # token spans [start, end) prompt compression keeps
 
 
 class ChatTemplate:
@@ -85,7 +89,8 @@ class ChatTemplate:
         opened = tail.endswith("<think>")
         return RenderedPrompt(text=text, token_ids=tokens.ids, snapshot_at=self._boundaries(text, tokens),
                               starts_in_thinking=opened,
-                              thinking_prefix=text[tail.rfind("<think>"):] if opened else "")
+                              thinking_prefix=text[tail.rfind("<think>"):] if opened else "",
+                              protected=_protected_spans(text, tokens, messages))
 
     def _find_turn_end(self) -> str:
         """What the template writes after a message's content, learned from a probe render
@@ -139,6 +144,44 @@ def render_text(tokenizer, messages: list[dict[str, Any]], *, add_generation_pro
 def render_prompt(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
     text = render_text(tokenizer, messages, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _protected_spans(text: str, tokens: Tokenized, messages: Sequence[dict[str, Any]]) -> tuple[tuple[int, int], ...]:
+    """The complement of the droppable tokens: those wholly inside the content of a user,
+    assistant or tool message before the last user message, found in the text in order (a
+    content the template changed is not found, and stays)."""
+    count = len(tokens.ids)
+    if tokens.starts is None:
+        return ((0, count),) if count else ()
+    users = [i for i, message in enumerate(messages) if message.get("role") == "user"]
+    earlier = messages[: users[-1]] if users else []
+    droppable: list[tuple[int, int]] = []
+    cursor = 0
+    for message in earlier:
+        content = message.get("content")
+        if not isinstance(content, str) or not content:
+            continue
+        found = text.find(content, cursor)
+        if found < 0:
+            continue
+        cursor = found + len(content)  # past a system prompt too, which stays whole
+        if message.get("role") not in ("user", "assistant", "tool"):
+            continue
+        first = bisect.bisect_left(tokens.starts, found)
+        after = bisect.bisect_left(tokens.starts, cursor)
+        # the token that crosses the content's end (into the template's text) stays
+        end = after if after < count and tokens.starts[after] == cursor else after - 1
+        if end > first:
+            droppable.append((first, end))
+    spans: list[tuple[int, int]] = []
+    position = 0
+    for start, end in droppable:
+        if start > position:
+            spans.append((position, start))
+        position = end
+    if position < count:
+        spans.append((position, count))
+    return tuple(spans)
 
 
 # ---- the conversation as the template sees it ---------------------------------------------

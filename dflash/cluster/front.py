@@ -193,13 +193,14 @@ class ClusterScheduler:
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-               grammar: str | None = None, conversation: str | None = None) -> RemoteJob:
+               grammar: str | None = None, conversation: str | None = None,
+               protected: tuple[tuple[int, int], ...] = ()) -> RemoteJob:
         if self._closed or self._nursery is None:
             raise ShuttingDown()
         if len(self._jobs) >= self.capacity:
             raise QueueFull(self.queue_max)
         job = RemoteJob(JobRequest(tuple(prompt_ids), sampling, max_tokens, request_id, tuple(snapshot_at),
-                                    top_logprobs, grammar, conversation))
+                                    top_logprobs, grammar, conversation, tuple(protected)))
         self._jobs.add(job)
         self._nursery.start_soon(self._stream, job)
         return job

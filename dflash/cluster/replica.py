@@ -56,6 +56,7 @@ class JobRequest:
     top_logprobs: int | None = None
     grammar: str | None = None
     conversation: str | None = None
+    protected: tuple[tuple[int, int], ...] = ()  # prompt spans that prompt compression must keep
 
 
 @attrs.frozen
@@ -209,7 +210,7 @@ class EngineReplica:
         job = self.scheduler.submit(list(request.prompt_ids), request.sampling, request.max_tokens,
                                     request_id=request.request_id, snapshot_at=request.snapshot_at,
                                     top_logprobs=request.top_logprobs, grammar=request.grammar,
-                                    conversation=request.conversation)
+                                    conversation=request.conversation, protected=request.protected)
         self._streams[job.request_id] = push
         push(Queued(self.replica_id))
         self._recent_jobs[job.request_id] = job

@@ -58,6 +58,8 @@ class GenerationStats:
     draft_tokens: int = 0  # proposed by a drafter
     accepted_tokens: int = 0  # of those, verified equal to the target's own choice
     verification_steps: int = 0
+    compressed_from_tokens: int = 0  # the prompt's length before speculative prefill dropped tokens; 0 if it did not
+    scoring_ms: float = 0.0  # speculative prefill's scorer
     # The same three numbers for each drafter that proposed (by drafter name: "ngram", "dflash").
     drafters: dict[str, DraftCounts] = attrs.field(factory=dict)
 
@@ -131,10 +133,12 @@ class GrammarChecker(Protocol):
 
 class Engine(Protocol):
     def start(self, prompt_ids: Sequence[int], sampling: SamplingParams, max_tokens: int, *,
-              snapshot_at: Sequence[int] = (), grammar: str | None = None) -> Generation:
+              snapshot_at: Sequence[int] = (), grammar: str | None = None,
+              protected: Sequence[tuple[int, int]] = ()) -> Generation:
         """A new generation. One is live at a time: the scheduler closes each before the next.
         `snapshot_at`: message boundaries to keep in the prefix cache; `grammar`: an llguidance
-        grammar the output must follow."""
+        grammar the output must follow; `protected`: token spans [start, end) that prompt
+        compression must keep."""
         ...
 
     def checkpoint_prefix(self, tokens: Sequence[int]) -> int:

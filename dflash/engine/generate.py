@@ -16,6 +16,7 @@ import torch
 from dflash.engine.contract import CacheStats, CacheTier, FinishReason, GenerationStats
 from dflash.engine.disk_cache import DiskCache
 from dflash.engine.drafters.ngram import NgramDrafter
+from dflash.engine.pflash import PromptCompressor, Span, kept_boundaries
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.prefix_reuse import PrefixReuse
 from dflash.engine.sampling import Sampler
@@ -62,8 +63,10 @@ class Engine:
         grammar_tokenizer_factory=None,
         agent_turn_replay: bool = False,
         reuse_live_state: bool = True,
+        compressor: PromptCompressor | None = None,
     ):
         self.model = model
+        self.compressor = compressor  # speculative prefill of long prompts (pflash.py), or None
         self.disk_cache = disk_cache
         # Built on the first constrained request (llguidance takes about a second to read a vocabulary).
         self._grammar_tokenizer_factory = grammar_tokenizer_factory
@@ -93,13 +96,15 @@ class Engine:
         *,
         snapshot_at: Sequence[int] = (),
         grammar: str | None = None,
+        protected: Sequence[Span] = (),
     ) -> "Generation":
         """`snapshot_at`: prompt positions (message boundaries) to keep in the prefix cache.
-        `grammar`: an llguidance grammar (see grammar.py) the output must follow."""
+        `grammar`: an llguidance grammar (see grammar.py) the output must follow.
+        `protected`: token spans [start, end) prompt compression must never drop."""
         if self._live is not None:
             self._live.close()
         constraint = self.grammar_tokenizer().matcher(grammar) if grammar is not None else None
-        generation = Generation(self, list(prompt_ids), sampling, max_tokens, snapshot_at, constraint)
+        generation = Generation(self, list(prompt_ids), sampling, max_tokens, snapshot_at, constraint, protected)
         self._live = generation
         return generation
 
@@ -130,6 +135,8 @@ class Engine:
         Usually only the closing tokens are new; where the rendering tokenizes the generated text
         differently, the differing tail is recomputed (while the server is idle) if
         `agent_turn_replay` is on, else nothing is done. Returns the committed length."""
+        if self.compressor is not None:  # a compressed conversation's turn follows its kept tokens
+            tokens = self.compressor.continued(tokens, (), ()).tokens
         if len(tokens) > self.max_ctx:
             return self.kv.length
         kept = self.prefix_reuse.rewind_for_turn(tokens)
@@ -179,25 +186,52 @@ class Generation:
         max_tokens: int,
         snapshot_at: Sequence[int] = (),
         constraint=None,
+        protected: Sequence[Span] = (),
     ):
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.engine = engine
+        self.requested_tokens = max_tokens
+        self.sampler = Sampler(sampling, engine.vocab_size)
+        self.constraint = constraint  # a GrammarConstraint, or None
+        self.output: list[int] = []
+        self.finished: FinishReason | None = None
+        self.closed = False
+        self.speculation = SpeculationPolicy(engine.speculation, engine.drafters())
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.original_prompt = prompt_ids
+        self.kept_positions: list[int] | None = None  # of the plan's tokens, once compressed
+        self._scoring = None  # the compressor's steps while the prompt is being scored
+        compressor = engine.compressor
+        if compressor is None:
+            self._begin(prompt_ids, snapshot_at)
+            return
+        # Prefix cache first: a prompt that continues a compressed one continues on its kept
+        # tokens, and what the caches hold of it is never recompressed.
+        self.plan = compressor.continued(prompt_ids, protected, snapshot_at)
+        cached = engine.prefix_reuse.available(self.plan.tokens)
+        keep = compressor.budget(len(self.plan.tokens), cached, engine.max_ctx, max_tokens)
+        if keep is None:
+            self._begin(self.plan.tokens, self.plan.snapshot_at, compressed=self.plan.tokens != prompt_ids)
+        else:
+            self._scoring = compressor.compress(self.plan, cached, keep)
+
+    def _begin(self, prompt_ids: list[int], snapshot_at: Sequence[int], *, compressed: bool = False) -> None:
+        """Set up prefill of `prompt_ids`, the tokens the target computes (`compressed`: fewer
+        than the request's prompt)."""
+        engine = self.engine
         if len(prompt_ids) >= engine.max_ctx:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.max_ctx} "
                 "including at least one generated token"
             )
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.engine = engine
         self.prompt_ids = prompt_ids
-        self.sampler = Sampler(sampling, engine.vocab_size)
-        self.constraint = constraint  # a GrammarConstraint, or None
-        self.max_tokens = min(max_tokens, engine.max_ctx - len(prompt_ids))
-        self.output: list[int] = []
-        self.finished: FinishReason | None = None
-        self.closed = False
-        self.speculation = SpeculationPolicy(engine.speculation, engine.drafters())
+        if compressed:
+            self.stats.compressed_from_tokens = len(self.original_prompt)
+            engine.compressor.memory.remember(self.original_prompt, prompt_ids)
+        self.max_tokens = min(self.requested_tokens, engine.max_ctx - len(prompt_ids))
         # Reuse the live KV state or a cached snapshot for the shared prefix; at least one prompt
         # token is always computed, because its logits give the first generated token.
         reused, self.turn_from = engine.prefix_reuse.begin(prompt_ids)  # snapshots still hold that turn
@@ -209,17 +243,21 @@ class Generation:
             self.boundaries = sorted(p for p in set(snapshot_at) if reused < p < len(prompt_ids) - 1)
         exact = len(prompt_ids) - 1
         self.exact_prompt_boundary = exact if engine.prefix_reuse.keeps_prompts and exact > reused else None
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=reused,
-                                     agent_turn_cache_hit=self.turn_from is not None)
+        self.stats.cached_tokens = reused
+        self.stats.agent_turn_cache_hit = self.turn_from is not None
 
     @property
     def prefilling(self) -> bool:
-        return self.position < len(self.prompt_ids)
+        return self._scoring is not None or self.position < len(self.prompt_ids)
 
     def step(self) -> StepOutput:
         if self.finished is not None or self.closed:
             raise RuntimeError("step() called on a finished generation")
         started = time.perf_counter()
+        if self._scoring is not None:
+            self._score()
+            self.stats.scoring_ms += (time.perf_counter() - started) * 1000
+            return StepOutput([], None, "prefill")
         if self.prefilling:
             out = self._prefill_chunk()
             self.stats.prefill_ms += (time.perf_counter() - started) * 1000
@@ -227,6 +265,17 @@ class Generation:
             out = self._decode_one()
             self.stats.decode_ms += (time.perf_counter() - started) * 1000
         return out
+
+    def _score(self) -> None:
+        """One bounded piece of the scorer's work; after the last, the kept tokens' prefill begins."""
+        try:
+            next(self._scoring)
+        except StopIteration as done:
+            self._scoring = None
+            kept = done.value
+            self.kept_positions = kept
+            self._begin([self.plan.tokens[p] for p in kept], kept_boundaries(self.plan.snapshot_at, kept),
+                        compressed=len(kept) < len(self.original_prompt))
 
     def _prefill_chunk(self) -> StepOutput:
         start = self.position

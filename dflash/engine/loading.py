@@ -24,6 +24,7 @@ from dflash.engine.disk_cache import DiskCache
 from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
 from dflash.engine.generate import Engine
 from dflash.engine.grammar import GrammarTokenizer
+from dflash.engine.pflash import AttentionScorer, CompressionSettings, PromptCompressor, self_scorer_layers
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.cpu import cpu_kind
@@ -73,6 +74,7 @@ def load_model(
     disk_cache_mib: int = 4096,
     agent_turn_cache: bool = False,
     reuse_live_state: bool = True,
+    compression: CompressionSettings = CompressionSettings(),
 ) -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -130,6 +132,7 @@ def load_model(
         grammar_tokenizer_factory=lambda: GrammarTokenizer(tokenizer, model.args.vocab_size, eos_ids),
         agent_turn_replay=agent_turn_cache,
         reuse_live_state=reuse_live_state,
+        compressor=prompt_compressor(compression, model, backend, cache, dtype, max_ctx),
         disk_cache=(
             DiskCache(disk_cache_dir, disk_cache_mib << 20,
                       model_identity(folder, dtype, max_ctx, model.args.rope_scaling, tokenizer, draft_model),
@@ -207,6 +210,35 @@ def resolve_draft_model(draft_model: str | os.PathLike | None, source: str) -> P
 def _share(budget_mib: int, slots: int, other_slots: int) -> int:
     total = slots + other_slots
     return 0 if total == 0 else budget_mib * (1 << 20) * slots // total
+
+
+def prompt_compressor(settings: CompressionSettings, model, backend: str, cache: Path, dtype: str,
+                      max_ctx: int) -> PromptCompressor | None:
+    """Speculative prefill's compressor: the target's first N layers score (`self:N`), or another
+    model of the same vocabulary on the built-in decoder."""
+    if settings.mode == "off":
+        return None
+    if backend != "native":
+        raise ModelLoadError("speculative prefill ([prefill] compression) needs the built-in decoder; "
+                             "this model runs on transformers")
+    layers = self_scorer_layers(settings.scorer)
+    scorer_model = model
+    if layers is None:
+        _, folder = resolve_source(settings.scorer, cache)
+        config = _read_json(folder / "config.json")
+        if not any(a in SUPPORTED_ARCHITECTURES for a in config.get("architectures") or []):
+            raise ModelLoadError(f"the scorer {settings.scorer!r} needs the built-in decoder "
+                                 f"(one of {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+        args = with_rope_scaling(ModelArgs.from_hf_config(config), max_ctx)
+        if args.vocab_size != model.args.vocab_size:
+            raise ModelLoadError(f"the scorer {settings.scorer!r} has a vocabulary of {args.vocab_size} tokens; "
+                                 f"the model's has {model.args.vocab_size}")
+        scorer_model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
+        layers = args.num_layers
+    if layers > scorer_model.args.num_layers:
+        raise ModelLoadError(f"scorer {settings.scorer!r}: the model has only {scorer_model.args.num_layers} layers")
+    return PromptCompressor(settings, AttentionScorer(scorer_model, layers, lookahead=settings.lookahead,
+                                                      pre_rope=settings.pre_rope))
 
 
 def resolve_source(source: str, cache: Path) -> tuple[str, Path]:

@@ -497,3 +497,30 @@ def build_transformer(args: ModelArgs, state: dict[str, Tensor], dtype: torch.dt
     inv_freq, model.rope_attention_scale = rope_inverse_frequencies(args)
     model.inv_freq = inv_freq
     return model.to(device).eval()
+
+
+@torch.inference_mode()
+def first_layers_with_queries(model: Transformer, tokens: Tensor, start: int, kv: KVCache, num_layers: int,
+                              query_rows: int = 0) -> tuple[Tensor, Tensor] | None:
+    """Speculative prefill's scorer (pflash.py): only the first `num_layers` decoder layers over
+    `tokens` [T] at positions start..start+T-1, their keys and values written to `kv` (a cache of
+    at least that many layers). Returns the queries of the last `query_rows` tokens at each of
+    those layers, before and after RoPE: two [num_layers, query_rows, H, D]; None for 0 rows."""
+    end = start + tokens.shape[0]
+    cos_table, sin_table = model._rope_tables(max(kv.max_ctx, end))
+    cos, sin = cos_table[start:end], sin_table[start:end]
+    x = model.embed(tokens)  # [T, C]
+    before, after = [], []
+    for index in range(num_layers):
+        layer = model.layers[index]
+        if query_rows:
+            attention = layer.attention
+            rows = attention.wqkv(layer.attention_norm(x[-query_rows:]))
+            q = rows.view(query_rows, -1, attention.head_dim)[:, : attention.num_heads]
+            if attention.q_norm is not None:
+                q = attention.q_norm(q)
+            before.append(q)
+            after.append(apply_rope(q, cos[-query_rows:], sin[-query_rows:]))
+        x = layer(x, cos, sin, kv, index, start, None)
+    kv.length = end
+    return (torch.stack(before), torch.stack(after)) if query_rows else None

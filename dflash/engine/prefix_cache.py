@@ -51,13 +51,19 @@ class PrefixCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._entries
 
-    def lookup(self, prompt: Sequence[int]) -> CacheEntry | None:
-        """The deepest entry that is a proper prefix of `prompt` (one token must stay to compute)."""
+    def deepest(self, prompt: Sequence[int]) -> CacheEntry | None:
+        """The deepest entry that is a proper prefix of `prompt` (one token must stay to compute),
+        without counting a hit or moving it in the LRU order."""
         best: CacheEntry | None = None
         for key, entry in self._entries.items():
             n = len(key)
             if n < len(prompt) and (best is None or n > len(best.tokens)) and tuple(prompt[:n]) == key:
                 best = entry
+        return best
+
+    def lookup(self, prompt: Sequence[int]) -> CacheEntry | None:
+        """The deepest entry that is a proper prefix of `prompt`, counted as a hit."""
+        best = self.deepest(prompt)
         if best is not None:
             self._entries.move_to_end(best.tokens)
         return best

@@ -52,6 +52,13 @@ class PrefixReuse:
         """The KV state now holds `tokens` after the committed ones."""
         self.committed.extend(tokens)
 
+    def available(self, prompt: Sequence[int]) -> int:
+        """How many of `prompt`'s tokens the live state or a snapshot in memory holds, without
+        changing anything (`begin` reuses at least as many; the disk tier is not asked)."""
+        live = common_prefix_length(self.committed, prompt) if self.reuse_live_state else 0
+        entries = [c for c in (self.prefix_cache.deepest(prompt), self.prompt_cache.deepest(prompt)) if c is not None]
+        return min(max([live] + [len(entry.tokens) for entry in entries]), len(prompt) - 1)
+
     def begin(self, prompt: Sequence[int]) -> tuple[int, int | None]:
         """Make the KV state hold the longest available prefix of `prompt` (see `_resume`), and
         count what follows the prompt as generated. Returns how many prompt tokens it holds, and

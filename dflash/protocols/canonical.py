@@ -183,6 +183,8 @@ class Usage:
     accepted_tokens: int = 0
     verification_steps: int = 0
     agent_turn_cache_hit: int = 0  # generations whose restored prefix included a generated turn
+    compressed_from_tokens: int = 0  # speculative prefill: the prompt's tokens before compression (0: not compressed)
+    scoring_ms: float = 0.0  # speculative prefill's scorer
 
     @property
     def total_tokens(self) -> int:
@@ -213,6 +215,8 @@ def timings(usage: Usage) -> dict[str, Any]:
         "draft_tokens": usage.draft_tokens,
         "accepted_tokens": usage.accepted_tokens,
         "acceptance_length": round(usage.acceptance_length, 3),
+        "compressed_from_tokens": usage.compressed_from_tokens,
+        "scoring_ms": round(usage.scoring_ms, 3),
     }
 
 

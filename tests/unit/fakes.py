@@ -173,7 +173,7 @@ class FakeEngine:
         self.closed = False  # at shutdown
 
     def start(self, prompt_ids: list[int], sampling, max_tokens: int, *, snapshot_at=(),
-              grammar: str | None = None) -> FakeGeneration:
+              grammar: str | None = None, protected=()) -> FakeGeneration:
         self.threads.add(threading.current_thread().name)
         if self.live is not None:
             raise RuntimeError("start() while another generation is live")
@@ -181,6 +181,7 @@ class FakeEngine:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than max_ctx {self.max_ctx}")
         self.live = FakeGeneration(self, prompt_ids, sampling, max_tokens, snapshot_at)
         self.live.grammar = grammar  # recorded, not followed: the reply is scripted
+        self.live.protected = tuple(protected)  # recorded: the fake never compresses
         self.generations.append(self.live)
         return self.live
 

@@ -54,6 +54,11 @@ def test_the_example_documents_exactly_the_defaults():
     ({"logging": {"format": "xml"}}, "logging.format: expected one of 'json', 'console', got 'xml'"),
     ({"logging": {"log_text": 1}}, "logging.log_text: expected true or false, got 1"),
     ({"server": 5}, "server: expected a table ([server]), got 5"),
+    ({"prefill": {"compression": "sometimes"}},
+     "prefill.compression: expected one of 'off', 'auto', 'always', 'fit', got 'sometimes'"),
+    ({"prefill": {"keep_ratio": 0}}, "prefill.keep_ratio: expected a ratio from 0 to 1, got 0.0"),
+    ({"prefill": {"scorer": "self:0"}}, "prefill.scorer: expected 'self:N' (the model's first N layers, N >= 1)"),
+    ({"prefill": {"chunk_tokens": 0}}, "prefill.chunk_tokens: expected an integer from 1 to 4096, got 0"),
 ])
 def test_errors_name_the_key_the_value_and_the_expectation(raw, expected):
     assert error_of(raw).startswith(expected)

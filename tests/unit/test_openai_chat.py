@@ -84,7 +84,8 @@ def test_usage_carries_timings():
     request = parse(messages=[{"role": "user", "content": "hi"}])
     render = openai_chat.ChatCompletionRender(header, request)
     usage = Usage(prompt_tokens=10, completion_tokens=3, cached_tokens=4, prefilled_tokens=6, prefill_ms=1.5,
-                  decode_ms=2.25, draft_tokens=4, accepted_tokens=2, verification_steps=2)
+                  decode_ms=2.25, draft_tokens=4, accepted_tokens=2, verification_steps=2,
+                  compressed_from_tokens=25, scoring_ms=3.5)
     render.opening()
     render.events(TextDelta("hi"))
     render.events(Finished("stop", usage))
@@ -94,7 +95,8 @@ def test_usage_carries_timings():
         "prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
         "prompt_tokens_details": {"cached_tokens": 4},
         "timings": {"prompt_tokens": 10, "agent_turn_cache_hit": False, "cached_prefix_tokens": 4, "prefilled_tokens": 6, "prefill_ms": 1.5,
-                    "decode_ms": 2.25, "draft_tokens": 4, "accepted_tokens": 2, "acceptance_length": 2.0},
+                    "decode_ms": 2.25, "draft_tokens": 4, "accepted_tokens": 2, "acceptance_length": 2.0,
+                    "compressed_from_tokens": 25, "scoring_ms": 3.5},
     }
 
 
