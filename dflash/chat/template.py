@@ -216,11 +216,11 @@ def _template_messages(messages: Sequence[Message], tools: Sequence[ToolSpec], *
 
 
 def _context_before_questions(messages: Sequence[Message]) -> list[Message]:
-    """System messages that follow a user message go before it. Claude Code appends its lists of
-    agents and skills (~1.5K tokens) as a system message after the user's question; read last, a
-    small model continues the list instead of answering (measured on the embedded model: 150
-    tokens of list, no answer; with the list first it answered and stopped). Applied to every
-    turn alike, so a conversation renders the same way in each request and stays cached."""
+    """System messages that follow a user message go before it, so the question is what the model
+    reads last. Claude Code appends its lists of agents and skills (~1.5K tokens) as a system
+    message after the user's question; read last, the embedded model continued the list (150
+    tokens, no answer) where with the list first it answered and stopped. Applied to every turn
+    alike, so a conversation renders the same way in each request and stays cached."""
     ordered: list[Message] = []
     question_at: int | None = None  # where the user message that the system messages follow sits
     for message in messages:
