@@ -112,7 +112,7 @@ def check_claude_code_answer(done: subprocess.CompletedProcess) -> None:
 @slow_client
 def test_claude_code_with_a_small_tool_set_answers_with_the_embedded_model(claude_code, tmp_path, workspace,
                                                                             default_server):
-    """Three tools make a ~3.4K-token first turn, inside the model's trained context, instead of
+    """Three tools make a ~3.1K-token first turn, inside the model's trained context, instead of
     ~20K. Fails today all the same: the embedded model's greedy reply to Claude Code's prompt
     repeats a line of the system reminder until max_tokens (README, Coding agents)."""
     seen_before = len(default_server.requests())
