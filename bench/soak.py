@@ -668,6 +668,7 @@ async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: i
         nursery.start_soon(prober, load)
         await trio.sleep_until(began + warmup_s)
         report.baseline = await quiet_sample(load, server.pid)
+        load.take_tally()  # the warm-up's traffic is not the first minute's
         out(f"after {warmup_s:g}s warm-up: {mib(report.baseline.rss_bytes)} MiB, {report.baseline.fds} fds, "
             f"{report.baseline.threads} threads\n")
         out(TABLE_HEADER)
