@@ -119,19 +119,23 @@ class Report:
     cpu: str
     baseline: Sample | None = None
     minutes: list[Minute] = attrs.Factory(list)
+    warmup: Tally | None = None  # counted in the verdict, not in the table's rows
     log_errors: list[str] = attrs.Factory(list)
     exit_code: int | None = None
 
+    def tallies(self) -> list[Tally]:
+        return ([self.warmup] if self.warmup is not None else []) + [minute.tally for minute in self.minutes]
+
     def count(self, outcome: str) -> int:
-        return sum(minute.tally.outcomes[outcome] for minute in self.minutes)
+        return sum(tally.outcomes[outcome] for tally in self.tallies())
 
     @property
     def health_busy_s(self) -> list[float]:
-        return [latency for minute in self.minutes for latency in minute.tally.health_busy_s]
+        return [latency for tally in self.tallies() for latency in tally.health_busy_s]
 
     @property
     def problems(self) -> list[str]:
-        return [problem for minute in self.minutes for problem in minute.tally.problems]
+        return [problem for tally in self.tallies() for problem in tally.problems]
 
     def fds_flat(self) -> bool:
         # Compared at quiet points only (no connection of ours open, the server idle, the count
@@ -668,7 +672,7 @@ async def soak(server: LiveServer, profile: Profile, *, minutes: int, clients: i
         nursery.start_soon(prober, load)
         await trio.sleep_until(began + warmup_s)
         report.baseline = await quiet_sample(load, server.pid)
-        load.take_tally()  # the warm-up's traffic is not the first minute's
+        report.warmup = load.take_tally()  # the warm-up's traffic is not the first minute's
         out(f"after {warmup_s:g}s warm-up: {mib(report.baseline.rss_bytes)} MiB, {report.baseline.fds} fds, "
             f"{report.baseline.threads} threads\n")
         out(TABLE_HEADER)
