@@ -125,6 +125,8 @@ class API:
         return Response.json(200, {
             "status": "ok",
             "model": self._model.model_id,
+            "weights": self._model.weights,
+            "cpu": self._model.cpu,
             "state": self._scheduler.state,
             "queue_depth": self._scheduler.queue_depth,
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),

@@ -53,6 +53,8 @@ class ModelText:
     token_bytes: Callable[[int], bytes]  # one token's text, for logprobs
     vocab_size: int
     aliases: tuple[str, ...] = ()
+    weights: str = ""  # the weight format served (bf16, fp32, int8, int4); "" on a fake model
+    cpu: str = ""  # the CPU kind the kernels were chosen for (engine/cpu.py)
 
 
 class Renderer(Protocol):

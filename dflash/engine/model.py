@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.engine.kv import KVCache
+from dflash.engine.quant import MANY_ROWS, many_row_dtype
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -180,19 +181,20 @@ def _yarn_inverse_frequencies(
     return blended.float(), float(mscale)
 
 
-# Above this many rows (prefill chunks), a bf16/fp16 matmul on CPU runs faster as fp32 on upcast
-# weights: without AVX512-BF16/AMX the half-precision GEMM degrades to one GEMV per row (measured on
-# AVX2: 256 rows 124 ms vs 24 ms upcast). Up to it (decode and speculative verification) the
+# Above this many rows (prefill chunks), a bf16/fp16 matmul on a CPU without bf16 hardware runs
+# faster as fp32 on upcast weights: there the half-precision GEMM degrades to one GEMV per row
+# (measured on AVX2: 256 rows 124 ms vs 24 ms upcast); with AMX it stays bf16 (one layer's matmuls
+# over 256 rows: 2.9 ms bf16, 20 ms upcast). Up to it (decode and speculative verification) the
 # half-precision kernel stays, because its rows are bitwise independent of how many rows a call has
 # (measured), while fp32 GEMM rows are not; verified drafts must see exactly the logits plain
 # decoding would, so greedy speculation reproduces plain greedy decoding token for token.
-UPCAST_MIN_ROWS = 17
+UPCAST_MIN_ROWS = MANY_ROWS
 
 
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= UPCAST_MIN_ROWS and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        if rows >= UPCAST_MIN_ROWS and x.device.type == "cpu" and many_row_dtype(x.dtype) != x.dtype:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

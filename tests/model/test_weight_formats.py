@@ -1,0 +1,88 @@
+"""Weight-only int8 and int4: the kernels give each row the same result whatever the number of rows
+(so verification sees decode's logits), the values round-trip, and greedy speculation on a quantized
+model reproduces plain greedy decoding of the same format token for token."""
+
+import pytest
+import torch
+
+from dflash.engine.generate import Engine
+from dflash.engine.quant import MANY_ROWS, Int4Linear, Int8Linear, auto_weights, quantize_linears
+from dflash.engine.sampling import SamplingParams
+from dflash.engine.speculative import SpeculationConfig
+from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+KINDS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(128, 64), (192, 96), (960, 576), (576, 1536)])
+def test_each_row_is_computed_the_same_whatever_the_row_count(kind, shape):
+    torch.manual_seed(1)
+    linear = KINDS[kind](torch.randn(shape) * 0.05, torch.randn(shape[0]) * 0.1)
+    x = torch.randn(MANY_ROWS - 1, shape[1]).bfloat16()
+    together = linear(x)
+    for rows in (1, 2, 5, 8):
+        for start in range(0, x.shape[0] - rows + 1, rows):
+            assert torch.equal(linear(x[start : start + rows]), together[start : start + rows])
+
+
+def test_int4_keeps_values_that_are_already_4_bit_groups_of_32():
+    torch.manual_seed(2)
+    N, K = 64, 96
+    scale = torch.rand(N, K // 32, 1) * 0.01 + 0.001
+    offset = torch.randn(N, K // 32, 1) * 0.05
+    codes = torch.randint(0, 16, (N, K // 32, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # each group spans the full range, as a Q4_1 block
+    weight = (codes * scale + offset).view(N, K)
+    # exact up to the bf16 rounding of each group's scale and zero
+    restored = Int4Linear(weight, None).dequantized(torch.float32)
+    assert (restored - weight).abs().max() <= 2 ** -7 * (15 * scale.max() + offset.abs().max())
+
+
+def test_int8_round_trip_error_is_half_a_step():
+    torch.manual_seed(3)
+    weight = torch.randn(96, 64)
+    layer = Int8Linear(weight, None)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((layer.dequantized(torch.float32) - weight).abs() <= step * 0.51).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_rows_match_the_few_row_kernel_closely(kind):
+    torch.manual_seed(4)
+    linear = KINDS[kind](torch.randn(192, 96) * 0.05, None)
+    x = torch.randn(MANY_ROWS + 3, 96).bfloat16()
+    many = linear(x).float()
+    few = torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])]).float()
+    assert torch.allclose(many, few, atol=0.03, rtol=0.03)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request):
+    model = ours_from_hf(tiny_hf_model("qwen2"), dtype=torch.bfloat16)  # qwen2: qkv biases too
+    quantize_linears(model, request.param)
+    assert isinstance(model.lm_head, KINDS[request.param])
+    return model
+
+
+PROMPTS = [[5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ngram_greedy_equals_plain_greedy_on_quantized_weights(quantized, prompt):
+    def run(speculation):
+        engine = Engine(quantized, max_ctx=128, prefill_chunk=8, speculation=speculation)
+        generation = engine.start(prompt, SamplingParams(), max_tokens=32)
+        return generation.run(), generation.stats
+
+    plain, _ = run(SpeculationConfig(drafter="none"))
+    speculative, stats = run(SpeculationConfig(drafter="ngram", max_draft_tokens=7, ngram_min=1, ngram_max=3, adaptive=False))
+    assert speculative == plain
+    assert stats.verification_steps > 0
+
+
+def test_auto_serves_a_4_bit_source_as_int4_and_others_as_int8():
+    assert auto_weights("bfloat16", 4) == "int4"
+    assert auto_weights("bfloat16", 8) == "int8"
+    assert auto_weights("bfloat16", None) == "int8"
+    assert auto_weights("float32", 4) == "fp32"
