@@ -253,6 +253,7 @@ class Attention(nn.Module):
         layer: int,
         start: int,
         mask: Tensor | None,  # [T, start+T] bool (True = may attend) or None for causal
+        few_rows: list["RowGroup"] | None = None,  # decode/verification rows: padded attention calls
     ) -> Tensor:
         T = x.shape[0]
         H, KV = self.num_heads, self.num_kv_heads
@@ -266,23 +267,53 @@ class Attention(nn.Module):
         v = qkv[:, H + KV :]
         keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
         q = q.to(keys.dtype)
-        if T == 1 or mask is not None or T >= UPCAST_MIN_ROWS:
+        if few_rows is not None:
+            out = torch.cat([
+                grouped_query_attention(q[group.rows], kv.keys[layer, :, : group.keys], kv.values[layer, :, : group.keys],
+                                        group.mask)
+                for group in few_rows
+            ])
+        else:
             if mask is None and T > 1:
                 mask = causal_mask(T, start, x.device)
             out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
-        else:
-            # A verification-sized block: one attention call per row, each exactly the call a plain
-            # decode step makes for that position, so the logits match decoding bit for bit (the
-            # batched, masked kernel splits its softmax differently and can flip near-ties).
-            out = torch.cat([
-                grouped_query_attention(q[i : i + 1], keys[:, : start + i + 1], values[:, : start + i + 1], None)
-                for i in range(T)
-            ])
         return self.wo(out.reshape(T, H * self.head_dim).to(x.dtype))
 
 
+# Decode and verification rows attend over keys padded to a multiple of this, masked past each row's
+# own position. The CPU attention kernel computes a row the same way whatever other rows a call
+# holds, but not whatever the number of keys (its blocked softmax sums differ), so a verified row
+# must see exactly the key count its plain decode step would: the padded length depends only on the
+# row's position. Decode reads up to 31 masked keys more; a verification block whose rows straddle
+# a multiple of it is split in two calls.
+KEY_BUCKET = 32
+
+
+@attrs.frozen
+class RowGroup:
+    rows: slice  # of the T new tokens
+    keys: int  # padded key count, the same for every row here
+    mask: Tensor  # [G * rows, keys] additive float mask, row g*rows + t is token t of head group g
+
+
+def few_row_groups(start: int, new_tokens: int, max_ctx: int, groups: int, dtype: torch.dtype, device) -> list[RowGroup]:
+    """The attention calls of a decode step or a verification block (see KEY_BUCKET)."""
+    padded = [min(-(-(start + t + 1) // KEY_BUCKET) * KEY_BUCKET, max_ctx) for t in range(new_tokens)]
+    out: list[RowGroup] = []
+    first = 0
+    for t in range(1, new_tokens + 1):
+        if t == new_tokens or padded[t] != padded[first]:
+            keys = padded[first]
+            positions = torch.arange(start + first, start + t, device=device).unsqueeze(1)
+            visible = torch.arange(keys, device=device).unsqueeze(0) <= positions  # [rows, keys]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            out.append(RowGroup(slice(first, t), keys, mask.repeat(groups, 1)))
+            first = t
+    return out
+
+
 def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """q [T, H, D], keys/values [KV, L, D], mask [T, L] or None -> [T, H, D].
+    """q [T, H, D], keys/values [KV, L, D], mask [T, L] (or already repeated, [G*T, L]) or None -> [T, H, D].
 
     The G = H / KV query heads that share a key/value head are laid out as G*T query rows of that
     head, so SDPA runs on KV heads with no copy of the keys; measured 4x faster on CPU than
@@ -292,7 +323,7 @@ def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tenso
     KV = keys.shape[0]
     G = H // KV
     rows = q.view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
-    if mask is not None:
+    if mask is not None and mask.shape[0] != G * T:
         mask = mask.repeat(G, 1)  # row g*T + t is query t of head g
     # 4-D inputs: the CPU flash kernel only takes [batch, heads, rows, D]; 3-D ones fall back to math.
     out = F.scaled_dot_product_attention(rows[None], keys[None], values[None], attn_mask=mask)
@@ -327,8 +358,8 @@ class DecoderLayer(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, layer, start, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask)
+    def forward(self, x, cos, sin, kv, layer, start, mask, few_rows=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask, few_rows)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -394,10 +425,14 @@ class Transformer(nn.Module):
         cos = cos_table[start_position:end]
         sin = sin_table[start_position:end]
         x = self.embed(tokens)  # [T, C]
+        few_rows = None
+        if attention_mask is None and T < UPCAST_MIN_ROWS:
+            few_rows = few_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
+                                      kv.keys.dtype, x.device)
         captured: list[Tensor] = []
         capture = set(capture_layers)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv, index, start_position, attention_mask)
+            x = layer(x, cos, sin, kv, index, start_position, attention_mask, few_rows)
             if index in capture:
                 captured.append(x.clone())
         kv.length = end

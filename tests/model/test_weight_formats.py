@@ -81,6 +81,27 @@ def test_ngram_greedy_equals_plain_greedy_on_quantized_weights(quantized, prompt
     assert stats.verification_steps > 0
 
 
+# Not fp32: MKL's fp32 GEMM computes a row differently with 1, 4 or 16 rows (README, Lossless).
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_verified_rows_get_the_logits_of_decode_steps_bit_for_bit(weights):
+    """At starts on both sides of the attention's key buckets (model.KEY_BUCKET), a forward over 8
+    rows gives each row exactly the logits a 1-row decode step at that position gives."""
+    model = ours_from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
+    quantize_linears(model, weights)
+    torch.manual_seed(5)
+    tokens = torch.randint(0, 128, (200,))
+    kv = model.new_kv_cache(256)
+    for start in (0, 1, 25, 28, 31, 32, 57, 63, 64, 120, 127, 190):
+        kv.length = 0
+        if start:
+            model(tokens[:start], 0, kv)
+        verified, _ = model(tokens[start : start + 8], start, kv, logits_positions=None)
+        for i in range(8):
+            kv.length = start + i
+            decoded, _ = model(tokens[start + i : start + i + 1], start + i, kv)
+            assert torch.equal(decoded[0], verified[i]), (start, i)
+
+
 def test_auto_serves_a_4_bit_source_as_int4_and_others_as_int8():
     assert auto_weights("bfloat16", 4) == "int4"
     assert auto_weights("bfloat16", 8) == "int8"
