@@ -61,7 +61,8 @@ def test_prefill_rows_match_the_few_row_kernel_closely(kind):
 def quantized(request):
     model = ours_from_hf(tiny_hf_model("qwen2"), dtype=torch.bfloat16)  # qwen2: qkv biases too
     quantize_linears(model, request.param)
-    assert isinstance(model.lm_head, KINDS[request.param])
+    assert isinstance(model.layers[0].feed_forward.w13, KINDS[request.param])
+    assert isinstance(model.lm_head, Int8Linear)  # int4 too: see quantize_linears
     return model
 
 
