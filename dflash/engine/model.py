@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.engine.kv import KVCache
+from dflash.engine.native import extension as native_extension
+from dflash.engine.native import layer_arguments as native_layer_arguments
 from dflash.engine.quant import MANY_ROWS, many_row_dtype
 
 SUPPORTED_ARCHITECTURES = {
@@ -376,6 +378,7 @@ class Transformer(nn.Module):
         inv_freq, self.rope_attention_scale = rope_inverse_frequencies(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_cache: tuple[Tensor, Tensor] | None = None
+        self._native_arguments: dict | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -393,6 +396,12 @@ class Transformer(nn.Module):
     @property
     def kv_dtype(self) -> torch.dtype:
         return kv_dtype_for(self.dtype, self.device)
+
+    def _native_layer_arguments(self) -> dict:
+        # Built on first use: quantize_linears replaces the linears after construction.
+        if self._native_arguments is None:
+            self._native_arguments = native_layer_arguments(self)
+        return self._native_arguments
 
     def _rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
         if self._rope_cache is None or self._rope_cache[0].shape[0] < max_ctx:
@@ -429,12 +438,21 @@ class Transformer(nn.Module):
         if attention_mask is None and T < UPCAST_MIN_ROWS:
             few_rows = few_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
                                       kv.keys.dtype, x.device)
-        captured: list[Tensor] = []
         capture = set(capture_layers)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv, index, start_position, attention_mask, few_rows)
-            if index in capture:
-                captured.append(x.clone())
+        native = native_extension() if few_rows is not None and x.device.type == "cpu" else None
+        if native is not None:
+            x, *captured = native.decode_layers(
+                x, cos, sin, kv.keys, kv.values, start_position, **self._native_layer_arguments(),
+                group_starts=[g.rows.start for g in few_rows], group_ends=[g.rows.stop for g in few_rows],
+                group_keys=[g.keys for g in few_rows], group_masks=[g.mask for g in few_rows],
+                num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim,
+                intermediate=self.args.intermediate_size, eps=self.args.rms_norm_eps, capture=sorted(capture))
+        else:
+            captured: list[Tensor] = []
+            for index, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv, index, start_position, attention_mask, few_rows)
+                if index in capture:
+                    captured.append(x.clone())
         kv.length = end
         if logits_positions is not None:
             x = x[logits_positions]
