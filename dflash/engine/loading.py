@@ -28,6 +28,7 @@ from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.cpu import cpu_kind
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer, with_rope_scaling
+from dflash.engine.native import extension as native_extension
 from dflash.engine.quant import WEIGHT_FORMATS, auto_weights, dtype_for_weights, quantize_linears
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
@@ -107,7 +108,8 @@ def load_model(
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
         quantize_linears(model, weights)
         backend = "native"
-        log.info("weights", format=weights, cpu=cpu_kind(), activations=dtype)
+        log.info("weights", format=weights, cpu=cpu_kind(), activations=dtype,
+                 decode_loop="native" if native_extension() is not None else "python")
         log.info("context", max_ctx=max_ctx, trained_context=args.max_position_embeddings,
                  rope_scaling=args.rope_scaling, kv_dtype=str(model.kv_dtype).removeprefix("torch."), cpu=cpu_kind())
     else:

@@ -126,6 +126,8 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [N, K/2]
         scales_and_zeros = torch.stack([scale.view(N, -1), zero.view(N, -1)], dim=-1)  # [N, groups, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
+        # For prefill's dequantization: w = q * scale + offset, offset = zero - 8 * scale.
+        self.register_buffer("scale_offset", torch.stack([scale.view(N, -1), (zero - 8 * scale).view(N, -1)], dim=-1))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.in_features, self.out_features = K, N
 
@@ -135,10 +137,14 @@ class Int4Linear(QuantizedLinear):
         return K % INT4_GROUP == 0 and N % INT4_ROWS_MULTIPLE == 0
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
+        # Prefill pays this once per chunk and layer: for the embedded model's 256-row chunks about
+        # as much as the matmuls (broadcasting the group scales is the slow part). Not bit-equal to
+        # the kernel's own dequantization (offset rounded once); prefill rows need not equal decode rows.
         N, K = self.out_features, self.in_features
-        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(N, K // INT4_GROUP, INT4_GROUP)
-        scale, zero = self.scales_and_zeros.to(dtype).transpose(0, 1).unbind(-1)  # [N, groups] each
-        return ((codes.to(dtype) - 8) * scale[..., None] + zero[..., None]).view(N, K)
+        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)  # [N, K/2, 2]: codes in order
+        codes = codes.view(N, K // INT4_GROUP, INT4_GROUP).to(dtype)
+        scale, offset = self.scale_offset.to(dtype).unbind(-1)  # [N, groups] each
+        return (codes * scale.unsqueeze(-1) + offset.unsqueeze(-1)).view(N, K)
 
     def matmul_few_rows(self, x: Tensor) -> Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
