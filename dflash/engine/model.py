@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from dflash.engine.kv import KVCache
 from dflash.engine.native import extension as native_extension
 from dflash.engine.native import layer_arguments as native_layer_arguments
-from dflash.engine.quant import MANY_ROWS, many_row_dtype
+from dflash.engine.cpu import cpu_kind
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -183,23 +183,35 @@ def _yarn_inverse_frequencies(
     return blended.float(), float(mscale)
 
 
-# Above this many rows (prefill chunks), a bf16/fp16 matmul on a CPU without bf16 hardware runs
-# faster as fp32 on upcast weights: there the half-precision GEMM degrades to one GEMV per row
-# (measured on AVX2: 256 rows 124 ms vs 24 ms upcast); with AMX it stays bf16 (one layer's matmuls
-# over 256 rows: 2.9 ms bf16, 20 ms upcast). Up to it (decode and speculative verification) the
-# half-precision kernel stays, because its rows are bitwise independent of how many rows a call has
-# (measured), while fp32 GEMM rows are not; verified drafts must see exactly the logits plain
-# decoding would, so greedy speculation reproduces plain greedy decoding token for token.
-UPCAST_MIN_ROWS = MANY_ROWS
+# Row invariance: the result for a row must not depend on the other rows of its call. Then a verified
+# draft row gets exactly the logits plain decoding gives (greedy speculation reproduces plain greedy
+# decoding token for token), and prefill rows equal decode rows whatever the chunking (a prompt
+# restored from a prefix cache and continued equals one computed from scratch). The half-precision
+# CPU kernel computes a row the same way in any call of up to FEW_ROWS rows (measured); above that
+# oneDNN switches to AMX kernels whose rows depend on the row count (17, 20, 32, 100... measured).
+FEW_ROWS = 16
+
+
+def has_bf16_hardware() -> bool:
+    return cpu_kind() in ("AMX", "AVX512-BF16")
 
 
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= UPCAST_MIN_ROWS and x.device.type == "cpu" and many_row_dtype(x.dtype) != x.dtype:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        if rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, self.weight, self.bias)
+        if has_bf16_hardware():
+            # Prefill in blocks of FEW_ROWS rows: row-invariant, and on AMX still 1.5-2x faster than
+            # fp32 (one 256-row layer: 18 ms vs 27 ms, 1 thread).
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.cat([F.linear(block, self.weight, self.bias) for block in flat.split(FEW_ROWS)])
+            return out.view(*x.shape[:-1], self.out_features)
+        # Without bf16 hardware a half-precision GEMM degrades to one GEMV per row (measured on AVX2:
+        # 256 rows 124 ms vs 24 ms as fp32 on upcast weights), so prefill upcasts and its rows are
+        # close to, not equal to, decode rows there.
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -255,7 +267,7 @@ class Attention(nn.Module):
         layer: int,
         start: int,
         mask: Tensor | None,  # [T, start+T] bool (True = may attend) or None for causal
-        few_rows: list["RowGroup"] | None = None,  # decode/verification rows: padded attention calls
+        row_groups: list["RowGroup"] | None = None,  # the attention calls without an explicit mask
     ) -> Tensor:
         T = x.shape[0]
         H, KV = self.num_heads, self.num_kv_heads
@@ -269,25 +281,23 @@ class Attention(nn.Module):
         v = qkv[:, H + KV :]
         keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
         q = q.to(keys.dtype)
-        if few_rows is not None:
+        if mask is not None:  # an explicit (tree) mask
+            out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
+        else:
             out = torch.cat([
                 grouped_query_attention(q[group.rows], kv.keys[layer, :, : group.keys], kv.values[layer, :, : group.keys],
                                         group.mask)
-                for group in few_rows
+                for group in row_groups
             ])
-        else:
-            if mask is None and T > 1:
-                mask = causal_mask(T, start, x.device)
-            out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
         return self.wo(out.reshape(T, H * self.head_dim).to(x.dtype))
 
 
-# Decode and verification rows attend over keys padded to a multiple of this, masked past each row's
-# own position. The CPU attention kernel computes a row the same way whatever other rows a call
-# holds, but not whatever the number of keys (its blocked softmax sums differ), so a verified row
-# must see exactly the key count its plain decode step would: the padded length depends only on the
-# row's position. Decode reads up to 31 masked keys more; a verification block whose rows straddle
-# a multiple of it is split in two calls.
+# Every row attends over keys padded to a multiple of this, masked past its own position. The CPU
+# attention kernel computes a row the same way whatever other rows a call holds, but not whatever
+# the number of keys (its blocked softmax sums differ), so a row must see a key count that depends
+# only on its position: then verified rows equal decode rows, and prefill rows equal them too
+# whatever the chunking. Decode reads up to 31 masked keys more; a verification block whose rows
+# straddle a multiple of it is two calls, a prefill chunk one call per multiple it spans.
 KEY_BUCKET = 32
 
 
@@ -298,8 +308,8 @@ class RowGroup:
     mask: Tensor  # [G * rows, keys] additive float mask, row g*rows + t is token t of head group g
 
 
-def few_row_groups(start: int, new_tokens: int, max_ctx: int, groups: int, dtype: torch.dtype, device) -> list[RowGroup]:
-    """The attention calls of a decode step or a verification block (see KEY_BUCKET)."""
+def attention_row_groups(start: int, new_tokens: int, max_ctx: int, groups: int, dtype: torch.dtype, device) -> list[RowGroup]:
+    """The attention calls of new tokens at start.. (see KEY_BUCKET)."""
     padded = [min(-(-(start + t + 1) // KEY_BUCKET) * KEY_BUCKET, max_ctx) for t in range(new_tokens)]
     out: list[RowGroup] = []
     first = 0
@@ -332,13 +342,6 @@ def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tenso
     return out[0].view(KV, G, T, D).permute(2, 0, 1, 3)
 
 
-def causal_mask(new_tokens: int, start: int, device: torch.device) -> Tensor:
-    """[T, start+T] bool: token i sees everything committed plus new tokens 0..i."""
-    rows = torch.arange(new_tokens, device=device).unsqueeze(1) + start
-    cols = torch.arange(start + new_tokens, device=device).unsqueeze(0)
-    return cols <= rows
-
-
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -360,8 +363,8 @@ class DecoderLayer(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, layer, start, mask, few_rows=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask, few_rows)
+    def forward(self, x, cos, sin, kv, layer, start, mask, row_groups=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask, row_groups)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -434,23 +437,25 @@ class Transformer(nn.Module):
         cos = cos_table[start_position:end]
         sin = sin_table[start_position:end]
         x = self.embed(tokens)  # [T, C]
-        few_rows = None
-        if attention_mask is None and T < UPCAST_MIN_ROWS:
-            few_rows = few_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
-                                      kv.keys.dtype, x.device)
+        row_groups = None
+        if attention_mask is None:
+            row_groups = attention_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
+                                              kv.keys.dtype, x.device)
         capture = set(capture_layers)
-        native = native_extension() if few_rows is not None and x.device.type == "cpu" else None
+        # The native loop makes the same calls for decode and verification (few rows); prefill stays
+        # in Python, where per-call overhead is spread over many rows.
+        native = native_extension() if row_groups is not None and T <= FEW_ROWS and x.device.type == "cpu" else None
         if native is not None:
             x, *captured = native.decode_layers(
                 x, cos, sin, kv.keys, kv.values, start_position, **self._native_layer_arguments(),
-                group_starts=[g.rows.start for g in few_rows], group_ends=[g.rows.stop for g in few_rows],
-                group_keys=[g.keys for g in few_rows], group_masks=[g.mask for g in few_rows],
+                group_starts=[g.rows.start for g in row_groups], group_ends=[g.rows.stop for g in row_groups],
+                group_keys=[g.keys for g in row_groups], group_masks=[g.mask for g in row_groups],
                 num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim,
                 intermediate=self.args.intermediate_size, eps=self.args.rms_norm_eps, capture=sorted(capture))
         else:
             captured: list[Tensor] = []
             for index, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, kv, index, start_position, attention_mask, few_rows)
+                x = layer(x, cos, sin, kv, index, start_position, attention_mask, row_groups)
                 if index in capture:
                     captured.append(x.clone())
         kv.length = end

@@ -5,11 +5,11 @@ Decoding reads every weight once per token, so on these CPUs a decode step is bo
 (README, Numbers): bf16 reads 270 MB per token of the embedded model, int8 half, int4 a quarter.
 Both kernels are torch's own (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16
 activations only (with fp32 ones they run scalar loops), and each output row is computed the same
-way whatever the number of rows (tested in tests/model/test_weight_formats.py), so a verified row
-gets exactly the logits a decoded row gets and greedy speculation stays lossless.
-
-Prefill chunks (many rows) instead dequantize the weights to the CPU's fast GEMM dtype and use
-one ordinary matmul: the weight-only kernels have no AMX/VNNI path and cost 10x more there.
+way whatever the number of rows (tested in tests/model/test_weight_formats.py). Every row — decode,
+verification and prefill — goes through them, so a verified row gets exactly the logits a decoded
+row gets (greedy speculation stays lossless) and a prompt's keys do not depend on how it was
+chunked (a prefix-cache hit equals a recomputation). Prefill pays for it: these kernels have no
+AMX/VNNI path (a 256-row chunk costs ~3x a bf16 AMX matmul).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.engine.cpu import cpu_kind
 
 WEIGHT_FORMATS = ("auto", "bf16", "fp32", "int8", "int4")
 INT4_GROUP = 32  # the block of GGUF's Q4_0/Q4_1/Q8_0: a 4-bit GGUF's values are kept exactly
@@ -40,45 +39,18 @@ def auto_weights(dtype: str, source_bits: int | None) -> str:
     return "int4" if source_bits is not None and source_bits <= 4 else "int8"
 
 
-def fast_bf16_gemm() -> bool:
-    """Whether many-row bf16 matmuls run on bf16 hardware (AMX or AVX512-BF16); elsewhere oneDNN
-    does them a row at a time and fp32 on upcast weights is 5x faster (measured on AVX2)."""
-    return cpu_kind() in ("AMX", "AVX512-BF16")
-
-
-def many_row_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a many-row (prefill) matmul of `dtype` activations runs in on this CPU."""
-    if dtype in (torch.bfloat16, torch.float16) and not fast_bf16_gemm():
-        return torch.float32
-    return dtype
-
-
-# Decode (1 row) and verification (up to 16 rows) use the weight-only kernel; from this many rows
-# on (prefill chunks) one GEMM on dequantized weights is faster. Same threshold as model.Linear.
-MANY_ROWS = 17
-
-
 class QuantizedLinear(nn.Module):
     in_features: int
     out_features: int
     bias: Tensor | None
 
-    def dequantized(self, dtype: torch.dtype) -> Tensor:
-        raise NotImplementedError
-
-    def matmul_few_rows(self, x: Tensor) -> Tensor:  # x [M, K] bf16
+    def matmul(self, x: Tensor) -> Tensor:  # x [M, K] bf16 -> [M, N] bf16
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] >= MANY_ROWS:
-            dtype = many_row_dtype(x.dtype)
-            bias = None if self.bias is None else self.bias.to(dtype)
-            out = F.linear(flat.to(dtype), self.dequantized(dtype), bias).to(x.dtype)
-        else:
-            out = self.matmul_few_rows(flat.to(torch.bfloat16)).to(x.dtype)
-            if self.bias is not None:
-                out = out + self.bias.to(x.dtype)
+        out = self.matmul(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -99,17 +71,14 @@ class Int8Linear(QuantizedLinear):
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
-    def matmul_few_rows(self, x: Tensor) -> Tensor:
+    def matmul(self, x: Tensor) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
 
 class Int4Linear(QuantizedLinear):
-    """w = q * scale + offset per group of INT4_GROUP inputs, q in 0..15 (GGUF's Q4_1 form).
-
-    Two copies of the codes: torch's packed layout for the decode kernel, and plain nibble pairs that
-    prefill unpacks with two bit operations (the packed layout is blocked and undocumented).
-    """
+    """w = q * scale + offset per group of INT4_GROUP inputs, q in 0..15 (GGUF's Q4_1 form), in
+    torch's packed layout (blocked and undocumented: `dequantized` asks the kernel itself)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None):
         super().__init__()
@@ -123,11 +92,8 @@ class Int4Linear(QuantizedLinear):
         zero = (low + 8 * scale).to(torch.bfloat16).float()
         codes = torch.round((groups - zero) / scale + 8).clamp(0, 15).to(torch.uint8).view(N, K)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
-        self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [N, K/2]
         scales_and_zeros = torch.stack([scale.view(N, -1), zero.view(N, -1)], dim=-1)  # [N, groups, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
-        # For prefill's dequantization: w = q * scale + offset, offset = zero - 8 * scale.
-        self.register_buffer("scale_offset", torch.stack([scale.view(N, -1), (zero - 8 * scale).view(N, -1)], dim=-1))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.in_features, self.out_features = K, N
 
@@ -137,16 +103,11 @@ class Int4Linear(QuantizedLinear):
         return K % INT4_GROUP == 0 and N % INT4_ROWS_MULTIPLE == 0
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
-        # Prefill pays this once per chunk and layer: for the embedded model's 256-row chunks about
-        # as much as the matmuls (broadcasting the group scales is the slow part). Not bit-equal to
-        # the kernel's own dequantization (offset rounded once); prefill rows need not equal decode rows.
-        N, K = self.out_features, self.in_features
-        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)  # [N, K/2, 2]: codes in order
-        codes = codes.view(N, K // INT4_GROUP, INT4_GROUP).to(dtype)
-        scale, offset = self.scale_offset.to(dtype).unbind(-1)  # [N, groups] each
-        return (codes * scale.unsqueeze(-1) + offset.unsqueeze(-1)).view(N, K)
+        """The weights as the kernel sees them, rounded to bf16 (for tests and inspection)."""
+        identity = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        return self.matmul(identity).t().to(dtype)
 
-    def matmul_few_rows(self, x: Tensor) -> Tensor:
+    def matmul(self, x: Tensor) -> Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 
