@@ -284,6 +284,8 @@ class Attention(nn.Module):
         if mask is not None:  # an explicit (tree) mask
             out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
         else:
+            if row_groups is None:  # a caller running layers itself
+                row_groups = attention_row_groups(start, T, kv.max_ctx, H // KV, keys.dtype, x.device)
             out = torch.cat([
                 grouped_query_attention(q[group.rows], kv.keys[layer, :, : group.keys], kv.values[layer, :, : group.keys],
                                         group.mask)

@@ -118,3 +118,18 @@ def test_auto_serves_a_4_bit_source_as_int4_and_others_as_int8():
     assert auto_weights("bfloat16", 8) == "int8"
     assert auto_weights("bfloat16", None) == "int8"
     assert auto_weights("float32", 4) == "fp32"
+
+
+def test_layers_called_without_row_groups_compute_them_alike():
+    """A caller that runs decoder layers itself (no row groups passed) gets what forward gets."""
+    model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
+    tokens = torch.randint(0, 128, (40,))
+    kv = model.new_kv_cache(128)
+    _, (expected,) = model(tokens, 0, kv, capture_layers=(2,))
+    cos, sin = (table[:40] for table in model._rope_tables(128))
+    x = model.embed(tokens)
+    other = model.new_kv_cache(128)
+    with torch.inference_mode():
+        for index, layer in enumerate(model.layers):
+            x = layer(x, cos, sin, other, index, 0, None)
+    assert torch.equal(x, expected)
