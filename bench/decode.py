@@ -1,9 +1,12 @@
 """Prefill and decode speed of our engine next to transformers, on the same prompt and threads.
 
-Prints one table: prefill tok/s and decode tok/s for our decoder and transformers `generate` (fp32
-and bf16), the ratio, and the decode limit implied by weight bytes / measured memory read bandwidth.
+Prints one table: for each weight format (`--weights`, default fp32,bf16,int8,int4) and thread count
+(`--threads`, default 1,2): prefill and plain greedy decode tok/s of our decoder, the cost of a
+speculative verification forward (1 pending + 7 draft rows) over a 1-row decode step, the decode
+limit implied by weight bytes / measured memory read bandwidth, and for fp32 and bf16 transformers
+`generate` on the same prompt (`--no-transformers` skips it).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/decode.py [--threads 2] [--tokens 128]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/decode.py [--threads 1,2] [--tokens 128]
 
 With `--contexts 1024,8192,16384,32768` it prints instead our speed at those depths of context, for
 each KV dtype in `--kv-dtypes` ("auto" = the one the engine picks for this CPU): one 256-token
@@ -50,17 +53,40 @@ def read_bandwidth_gbs(repeats: int = 5) -> float:
 
 
 def decode_weight_bytes(model) -> int:
-    """Bytes one decode step reads: every weight once (a tied embedding is read once, by the LM head)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    """Bytes one decode step reads: every weight once, the embedding table not at all (one row is
+    looked up), except where it is tied to an unquantized LM head, which reads it whole. The prefill
+    copy of int4 codes (`nibbles`) is not read while decoding."""
+    head = getattr(model.lm_head, "weight", None)
+    skip = {id(model.embed.weight)} - ({id(head)} if head is not None else set())
+    total, seen = 0, set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in seen or id(t) in skip or name.endswith("nibbles") or name == "inv_freq":
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
     return total
 
 
-def ours(source, dtype, tokens, threads):
-    loaded = load_model(source, dtype=dtype, max_ctx=4096, prefill_chunk=512, threads=threads)
+def verification_ratio(engine, repeats: int = 15) -> float:
+    """Best-of-N seconds of one forward over 1 pending + 7 draft rows, over one 1-row decode step,
+    both appended after the committed tokens and rolled back."""
+    base = engine.kv.length
+    pending = engine.committed[-1:]
+
+    def best(rows: list[int]) -> float:
+        fastest = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            engine.forward(rows, logits_positions=None)
+            fastest = min(fastest, time.perf_counter() - started)
+            engine.rollback(base)
+        return fastest
+
+    return best(pending * 8) / best(pending)
+
+
+def ours(source, weights, tokens, threads):
+    loaded = load_model(source, weights=weights, max_ctx=4096, prefill_chunk=512, threads=threads)
     prompt_ids = render_prompt(loaded.tokenizer, [{"role": "user", "content": PROMPT}])
     engine = loaded.engine
     engine.eos_token_ids = frozenset()  # decode exactly `tokens` tokens
@@ -69,7 +95,8 @@ def ours(source, dtype, tokens, threads):
     generation = engine.start(prompt_ids, SamplingParams(), max_tokens=tokens)
     generation.run()
     s = generation.stats
-    return len(prompt_ids) / (s.prefill_ms / 1000), (tokens - 1) / (s.decode_ms / 1000), loaded, prompt_ids
+    ratio = verification_ratio(engine)
+    return len(prompt_ids) / (s.prefill_ms / 1000), (tokens - 1) / (s.decode_ms / 1000), ratio, loaded, prompt_ids
 
 
 FILL_TOKENS = 1024
@@ -149,31 +176,40 @@ def transformers_speed(folder, dtype, prompt_ids, tokens):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--weights", default="fp32,bf16,int8,int4", help="weight formats (auto, fp32, bf16, int8, int4)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers columns")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="with --contexts: model dtypes")
     parser.add_argument("--contexts", default="", help="e.g. 1024,8192,16384,32768: speed at these depths instead")
     parser.add_argument("--kv-dtypes", default="auto", help="with --contexts: auto, float32, bfloat16")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    thread_counts = [int(t) for t in str(args.threads).split(",")]
     if args.contexts:
+        args.threads = thread_counts[-1]
+        torch.set_num_threads(args.threads)
         print_context_table(args)
         return
     bandwidth = read_bandwidth_gbs()
-    rows = []
-    for dtype in args.dtypes.split(","):
-        our_prefill, our_decode, loaded, prompt_ids = ours(args.model, dtype, args.tokens, args.threads)
-        torch.set_num_threads(args.threads)
-        hf_prefill, hf_decode = transformers_speed(loaded.folder, dtype, prompt_ids, args.tokens)
-        limit = bandwidth * 1e9 / decode_weight_bytes(loaded.engine.model)
-        rows.append((dtype, len(prompt_ids), our_prefill, hf_prefill, our_decode, hf_decode, limit))
-    print(f"\ncpu={cpu_kind()}  threads={args.threads}  decode tokens={args.tokens}  read bandwidth={bandwidth:.1f} GB/s  torch {torch.__version__}")
-    header = ("dtype", "prompt", "prefill ours", "prefill hf", "decode ours", "decode hf", "ours/hf", "limit", "% of limit")
+    header = ("cpu", "weights", "threads", "prompt", "prefill ours", "decode ours", "verify 1+7 / 1 row",
+              "limit", "% of limit", "prefill hf", "decode hf", "ours/hf")
+    print(f"\ncpu={cpu_kind()}  decode tokens={args.tokens}  read bandwidth={bandwidth:.1f} GB/s  "
+          f"torch {torch.__version__}  load {os.getloadavg()[0]:.2f}")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for dtype, n, op, hp, od, hd, limit in rows:
-        print(f"| {dtype} | {n} | {op:.0f} tok/s | {hp:.0f} tok/s | {od:.1f} tok/s | {hd:.1f} tok/s | "
-              f"{od / hd:.2f}x | {limit:.0f} tok/s | {100 * od / limit:.0f}% |")
+    for threads in thread_counts:
+        for weights in args.weights.split(","):
+            prefill, decode, ratio, loaded, prompt_ids = ours(args.model, weights, args.tokens, threads)
+            limit = bandwidth * 1e9 / decode_weight_bytes(loaded.engine.model)
+            hf = "| — | — | — |"
+            if loaded.weights in ("fp32", "bf16") and not args.no_transformers:
+                torch.set_num_threads(threads)
+                hf_prefill, hf_decode = transformers_speed(loaded.folder, loaded.dtype, prompt_ids, args.tokens)
+                hf = f"| {hf_prefill:.0f} tok/s | {hf_decode:.1f} tok/s | {decode / hf_decode:.2f}x |"
+            name = loaded.weights + (" (auto)" if weights == "auto" else "")
+            print(f"| {cpu_kind()} | {name} | {threads} | {len(prompt_ids)} | {prefill:.0f} tok/s | {decode:.1f} tok/s | "
+                  f"{ratio:.2f}x | {limit:.0f} tok/s | {100 * decode / limit:.0f}% {hf}", flush=True)
+            del loaded
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ coding tasks — none of them in the drafter's training set — prints
 decode tok/s, mean acceptance length τ and the ratio to plain decoding, and checks that every mode's
 output is identical to plain greedy decoding.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py [--draft DIR] [--dtype bfloat16]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py [--draft DIR] [--weights auto]
 
 Without --draft, DFlash runs a random-weight drafter (it shows the cost of drafting, not its gain).
 """
@@ -29,6 +29,7 @@ from dflash.engine.drafters.dflash import (  # noqa: E402
     load_dflash_checkpoint,
     random_draft_model,
 )
+from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 from dflash.engine.speculative import SpeculationConfig  # noqa: E402
@@ -70,11 +71,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
     parser.add_argument("--draft", help="a DFlash checkpoint folder for the target")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
     args = parser.parse_args()
-    loaded = load_model(args.model, dtype=args.dtype, max_ctx=2048, threads=args.threads)
+    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
+    args.dtype = loaded.dtype
     engine = loaded.engine
     target = engine.model
     if args.draft:
@@ -98,7 +100,7 @@ def main() -> None:
         "dflash, fixed block": (SpeculationConfig(drafter="dflash", max_draft_tokens=block, adaptive=False), drafter),
         "auto": (SpeculationConfig(drafter="auto", max_draft_tokens=block), drafter),
     }
-    print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads} tokens={args.tokens} "
+    print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens} "
           f"draft={'random weights' if not args.draft else args.draft}")
     print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
     print("|---|---|---|---|---|---|")

@@ -55,7 +55,8 @@ ROUTED_PATHS = ("/health", "/", "/metrics", "/v1/models", "/v1/chat/completions"
 def build_info(config: Config, model: ModelText) -> dict[str, str]:
     """What /metrics (dflash_build_info) and the status page say the server runs."""
     return {"version": __version__, "model": model.model_id, "dtype": config.model.dtype,
-            "weights_format": model.weights_format, "cpu": cpu_kind()}
+            "weights_format": model.weights or model.weights_format, "source_format": model.weights_format,
+            "cpu": cpu_kind()}
 
 
 def wants_html(request: Request) -> bool:
@@ -188,6 +189,8 @@ class API:
         return {
             "status": "ok",
             "model": self._model.model_id,
+            "weights": self._model.weights,
+            "cpu": self._model.cpu,
             "state": self._scheduler.state,
             "queue_depth": self._scheduler.queue_depth,
             "running": self._scheduler.running_job(),

@@ -40,13 +40,14 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
     # on a fake engine (unit tests, bench --fake) never needs.
     from dflash.chat.detokenize import IncrementalDetokenizer, token_bytes
     from dflash.chat.template import chat_template_for
+    from dflash.engine.cpu import cpu_kind
     from dflash.engine.loading import load_model as load_engine_model, weights_format
 
     from dflash.engine.speculative import SpeculationConfig
 
     config, spec, cache = full_config.model, full_config.speculative, full_config.cache
     loaded = load_engine_model(
-        config.source, dtype=config.dtype, max_ctx=config.max_ctx, threads=config.threads,
+        config.source, dtype=config.dtype, weights=config.weights, max_ctx=config.max_ctx, threads=config.threads,
         rope_scaling=config.rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
         prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir),
         speculation=SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens,
@@ -70,6 +71,8 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         aliases=config.aliases,
         compresses_to_fit=full_config.prefill.compression != "off",
         weights_format=weights_format(config.source),
+        weights=loaded.weights,
+        cpu=cpu_kind(),
     )
     return loaded.engine, text
 
@@ -151,7 +154,8 @@ async def serve_front(config: Config, model: ModelText, scheduler: Scheduler, me
         if handle_signals:
             nursery.start_soon(_shutdown_on_signals, app)
         log.info("started", version=__version__, model=model.model_id, source=config.model.source,
-                 dtype=config.model.dtype, listening=f"http://{config.server.host}:{port}",
+                 dtype=config.model.dtype, weights=model.weights, cpu=model.cpu,
+                 listening=f"http://{config.server.host}:{port}",
                  config=config_summary(config))
         for warning in exposure_warnings(config.server):
             log.warning("exposed", message=warning)

@@ -2,7 +2,7 @@
 
     dflash run CONFIG.toml [--host HOST] [--port PORT] [--model SOURCE]
     dflash cluster CONFIG.toml [--host HOST] [--port PORT] [--model SOURCE]   (replicas on Ray Serve)
-    dflash chat "PROMPT" [--model SOURCE] [--dtype bfloat16] [--max-tokens N] [--threads N]
+    dflash chat "PROMPT" [--model SOURCE] [--dtype bfloat16] [--weights auto] [--max-tokens N] [--threads N]
     dflash train-drafter --target MODEL --out DIR [--layers N] [--block-size B] [--steps N] [--resume] ...
     dflash cache ls [CONFIG.toml] [--disk-dir DIR]
     dflash cache clear [CONFIG.toml] [--disk-dir DIR]
@@ -92,6 +92,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
     chat.add_argument("prompt")
     chat.add_argument("--model", default=_MODEL_DEFAULTS.source, help="model source (default: the embedded model)")
     chat.add_argument("--dtype", default=_MODEL_DEFAULTS.dtype, choices=["bfloat16", "float32"])
+    chat.add_argument("--weights", default=_MODEL_DEFAULTS.weights, choices=["auto", "bf16", "fp32", "int8", "int4"])
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--threads", type=int, default=_MODEL_DEFAULTS.threads)
     chat.set_defaults(handler=_chat)
@@ -105,7 +106,8 @@ def _chat(args: argparse.Namespace) -> int:
     from dflash.engine.sampling import SamplingParams
 
     try:
-        loaded = load_model(args.model, dtype=args.dtype, threads=args.threads, max_ctx=_MODEL_DEFAULTS.max_ctx)
+        loaded = load_model(args.model, dtype=args.dtype, weights=args.weights, threads=args.threads,
+                            max_ctx=_MODEL_DEFAULTS.max_ctx)
     except ModelLoadError as exc:
         print(f"dflash: {exc}", file=sys.stderr)
         return 2

@@ -56,6 +56,8 @@ class ModelText:
     # Speculative prefill is on: a prompt longer than the context is compressed to fit, not refused.
     compresses_to_fit: bool = False
     weights_format: str = "unknown"  # what the weights were read from: gguf, safetensors (for operators)
+    weights: str = ""  # the weight format served (bf16, fp32, int8, int4); "" on a fake model
+    cpu: str = ""  # the CPU kind the kernels were chosen for (engine/cpu.py)
 
 
 class Renderer(Protocol):

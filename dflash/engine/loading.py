@@ -29,6 +29,8 @@ from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.cpu import cpu_kind
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer, with_rope_scaling
+from dflash.engine.native import extension as native_extension
+from dflash.engine.quant import WEIGHT_FORMATS, auto_weights, dtype_for_weights, quantize_linears
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 # DFlash drafters that ship with the package, for the embedded models (`dflash train-drafter`).
@@ -53,12 +55,14 @@ class LoadedModel:
     folder: Path  # the Hugging Face folder the weights came from
     dtype: str
     backend: str  # "native" or "transformers"
+    weights: str = "bf16"  # the weight format served: bf16, fp32, int8 or int4
 
 
 def load_model(
     source: str = EMBEDDED_DEFAULT,
     *,
     dtype: str = "bfloat16",
+    weights: str | None = None,
     max_ctx: int = 32768,
     rope_scaling: str = "auto",
     rope_scaling_factor: float = 0.0,
@@ -76,11 +80,21 @@ def load_model(
     reuse_live_state: bool = True,
     compression: CompressionSettings = CompressionSettings(),
 ) -> LoadedModel:
+    """`weights`: None serves `dtype` as it is; "auto", "bf16", "fp32", "int8" or "int4" pick the
+    weight format (quant.py), which also sets the activation dtype (bf16 for the quantized ones)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"unsupported weights {weights!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
     torch.set_num_threads(threads)
     cache = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
     model_id, folder = resolve_source(source, cache)
+    if weights == "auto":
+        weights = auto_weights(dtype, source_weight_bits(source, folder))
+    if weights is not None:
+        dtype = "float32" if dtype_for_weights(weights) == torch.float32 else "bfloat16"
+    else:
+        weights = "fp32" if dtype == "float32" else "bf16" if dtype == "bfloat16" else dtype
     config = _read_json(folder / "config.json")
     architectures = config.get("architectures") or []
     native = any(a in SUPPORTED_ARCHITECTURES for a in architectures)
@@ -94,12 +108,18 @@ def load_model(
             max_ctx = args.max_position_embeddings
         args = with_rope_scaling(args, max_ctx, rope_scaling, rope_scaling_factor)
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
+        quantize_linears(model, weights)
         backend = "native"
+        log.info("weights", format=weights, cpu=cpu_kind(), activations=dtype,
+                 decode_loop="native" if native_extension() is not None else "python")
         log.info("context", max_ctx=max_ctx, trained_context=args.max_position_embeddings,
                  rope_scaling=args.rope_scaling, kv_dtype=str(model.kv_dtype).removeprefix("torch."), cpu=cpu_kind())
     else:
         from dflash.engine.hf_backend import load_hf_model
 
+        if weights in ("int8", "int4"):
+            log.warning("weights_not_quantized", requested=weights, reason="the transformers backend serves bf16")
+            weights = "bf16"
         model = load_hf_model(folder, DTYPES[dtype])
         backend = "transformers"
         if max_ctx <= 0:
@@ -135,13 +155,60 @@ def load_model(
         compressor=prompt_compressor(compression, model, backend, cache, dtype, max_ctx),
         disk_cache=(
             DiskCache(disk_cache_dir, disk_cache_mib << 20,
-                      model_identity(folder, dtype, max_ctx, model.args.rope_scaling, tokenizer, draft_model),
+                      model_identity(folder, f"{dtype}/{weights}", max_ctx, model.args.rope_scaling, tokenizer,
+                                     draft_model),
                       model=model_id)
             if disk_cache_dir and backend == "native"
             else None
         ),
     )
-    return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend)
+    return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend, weights)
+
+
+def source_weight_bits(source: str, folder: Path) -> int | None:
+    """Bits per weight of the GGUF file a model came from (the most common tensor type, ignoring
+    norms), or None for other sources. "auto" serves a 4-bit model as int4. Reading a GGUF header
+    takes seconds (its vocabulary), so the answer is kept beside the converted folder."""
+    gguf_path = _gguf_path(source)
+    if gguf_path is None:
+        return None
+    remembered = folder / ".source_bits"
+    if remembered.is_file():
+        text = remembered.read_text().strip()
+        return int(text) if text.isdigit() else None
+    bits = _gguf_weight_bits(gguf_path)
+    try:
+        remembered.write_text(str(bits or ""))
+    except OSError:
+        pass  # a read-only cache: read the header again next time
+    return bits
+
+
+def _gguf_weight_bits(gguf_path: Path) -> int | None:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    bits_of = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 3, "Q2_K": 2, "IQ4_NL": 4, "IQ4_XS": 4,
+               "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "BF16": 16, "F16": 16, "F32": 32}
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(gguf_path).tensors:
+        if len(tensor.shape) == 2:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    common = max(counts, key=counts.get) if counts else None
+    return bits_of.get(common) if common else None
+
+
+def _gguf_path(source: str) -> Path | None:
+    if source.startswith("embedded:"):
+        name = source.removeprefix("embedded:")
+        if name not in _EMBEDDED:
+            return None
+        package, filename = _EMBEDDED[name]
+        spec = importlib.util.find_spec(package)
+        return Path(list(spec.submodule_search_locations)[0]) / filename if spec else None
+    path = Path(source).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
 def load_tokenizer(source: str, cache_dir: str | os.PathLike | None = None):
@@ -172,7 +239,7 @@ def weights_fingerprint(folder: Path) -> str:
 
 def model_identity(folder: Path, dtype: str, max_ctx: int, rope_scaling: dict[str, Any] | None, tokenizer,
                    draft_model) -> dict[str, Any]:
-    """What a disk snapshot must match to be served: weights, dtype, context size and the RoPE
+    """What a disk snapshot must match to be served: weights, dtype (with the weight format), context size and the RoPE
     scaling that rotated its keys, chat template."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
     return {

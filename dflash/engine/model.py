@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.engine.kv import KVCache
+from dflash.engine.native import extension as native_extension
+from dflash.engine.native import layer_arguments as native_layer_arguments
+from dflash.engine.cpu import cpu_kind
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -180,22 +183,35 @@ def _yarn_inverse_frequencies(
     return blended.float(), float(mscale)
 
 
-# Above this many rows (prefill chunks), a bf16/fp16 matmul on CPU runs faster as fp32 on upcast
-# weights: without AVX512-BF16/AMX the half-precision GEMM degrades to one GEMV per row (measured on
-# AVX2: 256 rows 124 ms vs 24 ms upcast). Up to it (decode and speculative verification) the
-# half-precision kernel stays, because its rows are bitwise independent of how many rows a call has
-# (measured), while fp32 GEMM rows are not; verified drafts must see exactly the logits plain
-# decoding would, so greedy speculation reproduces plain greedy decoding token for token.
-UPCAST_MIN_ROWS = 17
+# Row invariance: the result for a row must not depend on the other rows of its call. Then a verified
+# draft row gets exactly the logits plain decoding gives (greedy speculation reproduces plain greedy
+# decoding token for token), and prefill rows equal decode rows whatever the chunking (a prompt
+# restored from a prefix cache and continued equals one computed from scratch). The half-precision
+# CPU kernel computes a row the same way in any call of up to FEW_ROWS rows (measured); above that
+# oneDNN switches to AMX kernels whose rows depend on the row count (17, 20, 32, 100... measured).
+FEW_ROWS = 16
+
+
+def has_bf16_hardware() -> bool:
+    return cpu_kind() in ("AMX", "AVX512-BF16")
 
 
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= UPCAST_MIN_ROWS and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        if rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, self.weight, self.bias)
+        if has_bf16_hardware():
+            # Prefill in blocks of FEW_ROWS rows: row-invariant, and on AMX still 1.5-2x faster than
+            # fp32 (one 256-row layer: 18 ms vs 27 ms, 1 thread).
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.cat([F.linear(block, self.weight, self.bias) for block in flat.split(FEW_ROWS)])
+            return out.view(*x.shape[:-1], self.out_features)
+        # Without bf16 hardware a half-precision GEMM degrades to one GEMV per row (measured on AVX2:
+        # 256 rows 124 ms vs 24 ms as fp32 on upcast weights), so prefill upcasts and its rows are
+        # close to, not equal to, decode rows there.
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -251,6 +267,7 @@ class Attention(nn.Module):
         layer: int,
         start: int,
         mask: Tensor | None,  # [T, start+T] bool (True = may attend) or None for causal
+        row_groups: list["RowGroup"] | None = None,  # the attention calls without an explicit mask
     ) -> Tensor:
         T = x.shape[0]
         H, KV = self.num_heads, self.num_kv_heads
@@ -264,25 +281,53 @@ class Attention(nn.Module):
         v = qkv[:, H + KV :]
         keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
         q = q.to(keys.dtype)
-        if T >= UPCAST_MIN_ROWS and mask is None and x.device.type == "cpu":
-            out = causal_chunk_attention(q, keys, values, start)  # a prefill chunk
-        elif T == 1 or mask is not None or T >= UPCAST_MIN_ROWS:
-            if mask is None and T > 1:
-                mask = causal_mask(T, start, x.device)
+        if mask is not None:  # an explicit (tree) mask
             out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
         else:
-            # A verification-sized block: one attention call per row, each exactly the call a plain
-            # decode step makes for that position, so the logits match decoding bit for bit (the
-            # batched, masked kernel splits its softmax differently and can flip near-ties).
+            if row_groups is None:  # a caller running layers itself
+                row_groups = attention_row_groups(start, T, kv.max_ctx, H // KV, keys.dtype, x.device)
             out = torch.cat([
-                grouped_query_attention(q[i : i + 1], keys[:, : start + i + 1], values[:, : start + i + 1], None)
-                for i in range(T)
+                grouped_query_attention(q[group.rows], kv.keys[layer, :, : group.keys], kv.values[layer, :, : group.keys],
+                                        group.mask)
+                for group in row_groups
             ])
         return self.wo(out.reshape(T, H * self.head_dim).to(x.dtype))
 
 
+# Every row attends over keys padded to a multiple of this, masked past its own position. The CPU
+# attention kernel computes a row the same way whatever other rows a call holds, but not whatever
+# the number of keys (its blocked softmax sums differ), so a row must see a key count that depends
+# only on its position: then verified rows equal decode rows, and prefill rows equal them too
+# whatever the chunking. Decode reads up to 31 masked keys more; a verification block whose rows
+# straddle a multiple of it is two calls, a prefill chunk one call per multiple it spans.
+KEY_BUCKET = 32
+
+
+@attrs.frozen
+class RowGroup:
+    rows: slice  # of the T new tokens
+    keys: int  # padded key count, the same for every row here
+    mask: Tensor  # [G * rows, keys] additive float mask, row g*rows + t is token t of head group g
+
+
+def attention_row_groups(start: int, new_tokens: int, max_ctx: int, groups: int, dtype: torch.dtype, device) -> list[RowGroup]:
+    """The attention calls of new tokens at start.. (see KEY_BUCKET)."""
+    padded = [min(-(-(start + t + 1) // KEY_BUCKET) * KEY_BUCKET, max_ctx) for t in range(new_tokens)]
+    out: list[RowGroup] = []
+    first = 0
+    for t in range(1, new_tokens + 1):
+        if t == new_tokens or padded[t] != padded[first]:
+            keys = padded[first]
+            positions = torch.arange(start + first, start + t, device=device).unsqueeze(1)
+            visible = torch.arange(keys, device=device).unsqueeze(0) <= positions  # [rows, keys]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            out.append(RowGroup(slice(first, t), keys, mask.repeat(groups, 1)))
+            first = t
+    return out
+
+
 def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """q [T, H, D], keys/values [KV, L, D], mask [T, L] or None -> [T, H, D].
+    """q [T, H, D], keys/values [KV, L, D], mask [T, L] (or already repeated, [G*T, L]) or None -> [T, H, D].
 
     The G = H / KV query heads that share a key/value head are laid out as G*T query rows of that
     head, so SDPA runs on KV heads with no copy of the keys; measured 4x faster on CPU than
@@ -292,52 +337,11 @@ def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tenso
     KV = keys.shape[0]
     G = H // KV
     rows = q.view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
-    if mask is not None:
+    if mask is not None and mask.shape[0] != G * T:
         mask = mask.repeat(G, 1)  # row g*T + t is query t of head g
     # 4-D inputs: the CPU flash kernel only takes [batch, heads, rows, D]; 3-D ones fall back to math.
     out = F.scaled_dot_product_attention(rows[None], keys[None], values[None], attn_mask=mask)
     return out[0].view(KV, G, T, D).permute(2, 0, 1, 3)
-
-
-def causal_chunk_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
-    """q [T, H, D] at positions start..start+T-1, keys/values [KV, start+T, D] -> [T, H, D], causal.
-
-    Two unmasked calls instead of one masked: the committed keys (every new token sees them all)
-    and the chunk's own keys (a square causal block), merged by their log-sum-exps. A [T, start+T]
-    mask costs a float conversion per layer and makes the flash kernel read it: at 16K of context
-    this made a 256-token prefill chunk 1.5x faster (AMX; the saving is memory traffic).
-    """
-    T, H, D = q.shape
-    KV = keys.shape[0]
-    G = H // KV
-    rows = q.view(T, KV, G, D).permute(1, 2, 0, 3)  # [KV, G, T, D]: heads sharing keys side by side
-    # Expanded (stride 0) over the G query heads: no copy of the keys.
-    chunk_keys = keys[:, start:].unsqueeze(1).expand(KV, G, T, D)
-    chunk_values = values[:, start:].unsqueeze(1).expand(KV, G, T, D)
-    out, log_sum_exp = _flash_attention(rows, chunk_keys, chunk_values, is_causal=True)  # [KV, G, T, D], [KV, G, T]
-    if start:
-        committed_out, committed_lse = _flash_attention(rows.reshape(1, KV, G * T, D), keys[None, :, :start],
-                                                        values[None, :, :start])
-        committed_out = committed_out.view(KV, G, T, D)
-        committed_lse = committed_lse.view(KV, G, T)
-        peak = torch.maximum(log_sum_exp, committed_lse)
-        weight = (log_sum_exp - peak).exp_().unsqueeze(-1)
-        committed_weight = (committed_lse - peak).exp_().unsqueeze(-1)
-        out = (out * weight + committed_out * committed_weight) / (weight + committed_weight)
-    return out.permute(2, 0, 1, 3)
-
-
-def _flash_attention(q: Tensor, keys: Tensor, values: Tensor, is_causal: bool = False) -> tuple[Tensor, Tensor]:
-    """(output, log-sum-exp of each row's scores) from the CPU flash kernel: the merge above needs
-    the second, which F.scaled_dot_product_attention does not return."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, is_causal=is_causal)[:2]
-
-
-def causal_mask(new_tokens: int, start: int, device: torch.device) -> Tensor:
-    """[T, start+T] bool: token i sees everything committed plus new tokens 0..i."""
-    rows = torch.arange(new_tokens, device=device).unsqueeze(1) + start
-    cols = torch.arange(start + new_tokens, device=device).unsqueeze(0)
-    return cols <= rows
 
 
 class FeedForward(nn.Module):
@@ -361,8 +365,8 @@ class DecoderLayer(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, layer, start, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask)
+    def forward(self, x, cos, sin, kv, layer, start, mask, row_groups=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask, row_groups)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -379,6 +383,7 @@ class Transformer(nn.Module):
         inv_freq, self.rope_attention_scale = rope_inverse_frequencies(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_cache: tuple[Tensor, Tensor] | None = None
+        self._native_arguments: dict | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -396,6 +401,12 @@ class Transformer(nn.Module):
     @property
     def kv_dtype(self) -> torch.dtype:
         return kv_dtype_for(self.dtype, self.device)
+
+    def _native_layer_arguments(self) -> dict:
+        # Built on first use: quantize_linears replaces the linears after construction.
+        if self._native_arguments is None:
+            self._native_arguments = native_layer_arguments(self)
+        return self._native_arguments
 
     def _rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
         if self._rope_cache is None or self._rope_cache[0].shape[0] < max_ctx:
@@ -428,12 +439,27 @@ class Transformer(nn.Module):
         cos = cos_table[start_position:end]
         sin = sin_table[start_position:end]
         x = self.embed(tokens)  # [T, C]
-        captured: list[Tensor] = []
+        row_groups = None
+        if attention_mask is None:
+            row_groups = attention_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
+                                              kv.keys.dtype, x.device)
         capture = set(capture_layers)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv, index, start_position, attention_mask)
-            if index in capture:
-                captured.append(x.clone())
+        # The native loop makes the same calls for decode and verification (few rows); prefill stays
+        # in Python, where per-call overhead is spread over many rows.
+        native = native_extension() if row_groups is not None and T <= FEW_ROWS and x.device.type == "cpu" else None
+        if native is not None:
+            x, *captured = native.decode_layers(
+                x, cos, sin, kv.keys, kv.values, start_position, **self._native_layer_arguments(),
+                group_starts=[g.rows.start for g in row_groups], group_ends=[g.rows.stop for g in row_groups],
+                group_keys=[g.keys for g in row_groups], group_masks=[g.mask for g in row_groups],
+                num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim,
+                intermediate=self.args.intermediate_size, eps=self.args.rms_norm_eps, capture=sorted(capture))
+        else:
+            captured: list[Tensor] = []
+            for index, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv, index, start_position, attention_mask, row_groups)
+                if index in capture:
+                    captured.append(x.clone())
         kv.length = end
         if logits_positions is not None:
             x = x[logits_positions]

@@ -1,5 +1,5 @@
-"""On the embedded model (bf16, the served dtype): greedy output with each drafter equals plain
-greedy output token for token, with and without penalties."""
+"""On the embedded model, in each weight format we ship on bf16 activations (bf16, int8, int4):
+greedy output with each drafter equals plain greedy output token for token, with and without penalties."""
 
 import pytest
 import torch
@@ -18,9 +18,9 @@ PROMPTS = [
 TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model(dtype="bfloat16", max_ctx=1024)
+@pytest.fixture(scope="module", params=["bf16", "int8", "int4"])
+def loaded(request):
+    return load_model(weights=request.param, max_ctx=1024)
 
 
 def random_drafter(loaded, block_size):

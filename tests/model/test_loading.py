@@ -69,7 +69,11 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
 
 
 def test_dflash_chat_streams_the_embedded_models_greedy_reply():
-    result = subprocess.run([sys.executable, "-m", "dflash.cli", "chat", "What is the capital of France?",
+    # "What is the capital of France?" alone is a near-tie for the first token ("The" 25.33 vs "L"
+    # 25.24 in fp32), so each weight format answered it differently; this wording is answered the
+    # same in fp32, bf16, int8 and int4.
+    result = subprocess.run([sys.executable, "-m", "dflash.cli", "chat",
+                             "What is the capital of France? Answer with one word.",
                              "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

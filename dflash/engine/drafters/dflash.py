@@ -264,7 +264,7 @@ class DFlashDrafter:
         ids[0] = tokens[-1]
         out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
         # Slot 0 is the known pending token; slots 1.. predict the tokens at their own positions.
-        logits = self.target.lm_head(out[1:].to(self.target.lm_head.weight.dtype))
+        logits = self.target.lm_head(out[1:].to(self.target.dtype))
         return logits.argmax(dim=-1).tolist()
 
 

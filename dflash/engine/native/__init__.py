@@ -1,0 +1,86 @@
+"""The C++ decode-layer loop (decode_layers.cpp): built by `make install` (so by `make serve` and
+`make test`) with the machine's compiler, loaded if present, else the model runs its Python path.
+
+    .venv/bin/python -m dflash.engine.native     # build (about a minute); prints where it went
+
+It runs only decode steps and verification blocks (few rows), where per-call overhead is most of a
+step; prefill chunks stay in Python. `DFLASH_NATIVE=0` turns it off (benches compare both).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger("dflash.native")
+
+SOURCE = Path(__file__).with_name("decode_layers.cpp")
+BUILD_DIR = Path(__file__).with_name("build")
+NAME = "dflash_decode_layers"
+
+
+def build() -> Path:
+    from torch.utils.cpp_extension import load
+
+    BUILD_DIR.mkdir(exist_ok=True)
+    load(NAME, [str(SOURCE)], build_directory=str(BUILD_DIR), extra_cflags=["-O2"], verbose=False)
+    return built_library()
+
+
+def built_library() -> Path | None:
+    found = sorted(BUILD_DIR.glob(f"{NAME}*.so"))
+    return found[0] if found else None
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None (not built, stale, built for another torch, or turned off)."""
+    if os.environ.get("DFLASH_NATIVE", "1") == "0":
+        return None
+    library = built_library()
+    if library is None:
+        return None
+    if library.stat().st_mtime < SOURCE.stat().st_mtime:
+        log.warning("native_stale", library=str(library), fix="run `make install` to rebuild; using Python")
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(NAME, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # e.g. built against another torch
+        log.warning("native_unusable", library=str(library), error=str(exc))
+        return None
+    return module
+
+
+def layer_arguments(model) -> dict:
+    """The per-layer tensors of a model.Transformer, flattened the way decode_layers takes them."""
+    from dflash.engine.quant import INT4_GROUP, Int4Linear, Int8Linear
+
+    empty = torch.empty(0)
+    norms, qk_norms, tensors, kinds, has_bias, out_features = [], [], [], [], [], []
+    for layer in model.layers:
+        attention, ffn = layer.attention, layer.feed_forward
+        norms += [layer.attention_norm.weight, layer.ffn_norm.weight]
+        if attention.q_norm is not None:
+            qk_norms += [attention.q_norm.weight, attention.k_norm.weight]
+        for linear in (attention.wqkv, attention.wo, ffn.w13, ffn.w2):
+            if isinstance(linear, Int4Linear):
+                kinds.append(2)
+                tensors += [linear.packed, linear.scales_and_zeros]
+            elif isinstance(linear, Int8Linear):
+                kinds.append(1)
+                tensors += [linear.qweight, linear.scales]
+            else:
+                kinds.append(0)
+                tensors += [linear.weight, empty]
+            tensors.append(linear.bias if linear.bias is not None else empty)
+            has_bias.append(int(linear.bias is not None))
+            out_features.append(linear.out_features)
+    return dict(norms=norms, qk_norms=qk_norms, linear_tensors=tensors, kinds=kinds, has_bias=has_bias,
+                out_features=out_features, group_size=INT4_GROUP)

@@ -1,0 +1,3 @@
+from dflash.engine.native import build
+
+print(f"built {build()}")

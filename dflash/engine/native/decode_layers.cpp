@@ -1,0 +1,121 @@
+// The decoder layers of a decode step or a verification block (few rows) in one C++ call.
+//
+// Why: a decode step of a small model is ~1000 small ATen calls, and from Python each costs a few
+// microseconds of interpreter and argument parsing on top of the kernel. This file makes exactly
+// the calls model.py makes, in the same order with the same shapes and dtypes, so its results are
+// bit-identical to the Python path (tests/model/test_native.py) and only the overhead goes.
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace {
+
+enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+
+struct Linear {
+  int64_t kind;
+  at::Tensor a, b, bias;  // dense: weight, -, bias | int8: qweight, scales, bias | int4: packed, scales_and_zeros, bias
+  bool has_bias;
+  int64_t out_features;
+  int64_t group;
+
+  at::Tensor operator()(const at::Tensor& x) const {  // model.Linear / quant.QuantizedLinear, few rows
+    if (kind == kDense) return at::linear(x, a, has_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    auto flat = x.reshape({-1, x.size(-1)});
+    auto input = flat.to(at::kBFloat16);
+    auto out = kind == kInt8 ? at::_weight_int8pack_mm(input, a, b) : at::_weight_int4pack_mm_for_cpu(input, a, group, b);
+    out = out.to(x.scalar_type());
+    if (has_bias) out = out + bias.to(x.scalar_type());
+    auto shape = x.sizes().vec();
+    shape.back() = out_features;
+    return out.view(shape);
+  }
+};
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {  // model.RMSNorm
+  auto normed = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {  // model.apply_rope
+  return x * cos + at::roll(x, {x.size(-1) / 2}, {-1}) * sin;
+}
+
+at::Tensor grouped_query_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                   const at::Tensor& mask) {  // model.grouped_query_attention, mask already repeated
+  auto T = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(0), G = H / KV;
+  auto rows = q.view({T, KV, G, D}).permute({1, 2, 0, 3}).reshape({KV, G * T, D});
+  auto out = at::scaled_dot_product_attention(rows.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask);
+  return out.select(0, 0).view({KV, G, T, D}).permute({2, 0, 1, 3});
+}
+
+}  // namespace
+
+// x [T, C]; per layer: norms 2 (attention, ffn), qk_norms 2 or 0, linears 4 (wqkv, wo, w13, w2) x 3
+// tensors with kinds/has_bias/out_features. Groups: row ranges of the new tokens with their padded
+// key counts and repeated masks (model.few_row_groups). Returns x after the last layer and the
+// hidden states after each layer in `capture` (ascending).
+std::vector<at::Tensor> decode_layers(
+    at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values,
+    int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
+    const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& kinds,
+    const std::vector<int64_t>& has_bias, const std::vector<int64_t>& out_features, int64_t group_size,
+    const std::vector<int64_t>& group_starts, const std::vector<int64_t>& group_ends,
+    const std::vector<int64_t>& group_keys, const std::vector<at::Tensor>& group_masks, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, const std::vector<int64_t>& capture) {
+  at::NoGradGuard no_grad;
+  const int64_t layers = keys.size(0), T = x.size(0), H = num_heads, KV = num_kv_heads, D = head_dim;
+  const bool qk_norm = !qk_norms.empty();
+  std::vector<at::Tensor> captured;
+  size_t next_capture = 0;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    auto linear = [&](int64_t which) {
+      int64_t i = layer * 4 + which;
+      return Linear{kinds[i], linear_tensors[3 * i], linear_tensors[3 * i + 1], linear_tensors[3 * i + 2],
+                    has_bias[i] != 0, out_features[i], group_size};
+    };
+    // attention
+    auto h = rms_norm(x, norms[2 * layer], eps);
+    auto qkv = linear(0)(h).view({T, H + 2 * KV, D});
+    at::Tensor q, k;
+    if (qk_norm) {
+      q = rope(rms_norm(qkv.slice(1, 0, H), qk_norms[2 * layer], eps), cos, sin);
+      k = rope(rms_norm(qkv.slice(1, H, H + KV), qk_norms[2 * layer + 1], eps), cos, sin);
+    } else {
+      auto qk = rope(qkv.slice(1, 0, H + KV), cos, sin);
+      q = qk.slice(1, 0, H);
+      k = qk.slice(1, H);
+    }
+    auto v = qkv.slice(1, H + KV);
+    auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
+    layer_keys.slice(1, start, start + T).copy_(k.transpose(0, 1));
+    layer_values.slice(1, start, start + T).copy_(v.transpose(0, 1));
+    q = q.to(keys.scalar_type());
+    std::vector<at::Tensor> parts;
+    for (size_t g = 0; g < group_starts.size(); ++g) {
+      parts.push_back(grouped_query_attention(q.slice(0, group_starts[g], group_ends[g]),
+                                              layer_keys.slice(1, 0, group_keys[g]),
+                                              layer_values.slice(1, 0, group_keys[g]), group_masks[g]));
+    }
+    auto attended = at::cat(parts);
+    x = x + linear(1)(attended.reshape({T, H * D}).to(x.scalar_type()));
+    // feed-forward
+    auto gate_up = linear(2)(rms_norm(x, norms[2 * layer + 1], eps)).split(intermediate, -1);
+    x = x + linear(3)(at::silu(gate_up[0]) * gate_up[1]);
+    if (next_capture < capture.size() && capture[next_capture] == layer) {
+      captured.push_back(x.clone());
+      ++next_capture;
+    }
+  }
+  captured.insert(captured.begin(), x);
+  return captured;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pybind11::arg;
+  m.def("decode_layers", &decode_layers, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
+        arg("sin"), arg("keys"), arg("values"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
+        arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
+        arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("num_heads"), arg("num_kv_heads"),
+        arg("head_dim"), arg("intermediate"), arg("eps"), arg("capture"));
+}

@@ -1,0 +1,135 @@
+"""Weight-only int8 and int4: the kernels give each row the same result whatever the number of rows
+(so verification sees decode's logits), the values round-trip, and greedy speculation on a quantized
+model reproduces plain greedy decoding of the same format token for token."""
+
+import pytest
+import torch
+
+from dflash.engine.generate import Engine
+from dflash.engine.quant import Int4Linear, Int8Linear, auto_weights, quantize_linears
+from dflash.engine.sampling import SamplingParams
+from dflash.engine.speculative import SpeculationConfig
+from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+KINDS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(128, 64), (192, 96), (960, 576), (576, 1536)])
+def test_each_row_is_computed_the_same_whatever_the_row_count(kind, shape):
+    torch.manual_seed(1)
+    linear = KINDS[kind](torch.randn(shape) * 0.05, torch.randn(shape[0]) * 0.1)
+    x = torch.randn(64, shape[1]).bfloat16()
+    together = linear(x)
+    for rows in (1, 2, 5, 8, 16, 32):
+        for start in range(0, x.shape[0] - rows + 1, rows):
+            assert torch.equal(linear(x[start : start + rows]), together[start : start + rows])
+
+
+def test_int4_keeps_values_that_are_already_4_bit_groups_of_32():
+    torch.manual_seed(2)
+    N, K = 64, 96
+    scale = torch.rand(N, K // 32, 1) * 0.01 + 0.001
+    offset = torch.randn(N, K // 32, 1) * 0.05
+    codes = torch.randint(0, 16, (N, K // 32, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # each group spans the full range, as a Q4_1 block
+    weight = (codes * scale + offset).view(N, K)
+    # exact up to the bf16 rounding of each group's scale and zero, and of the dequantized value
+    restored = Int4Linear(weight, None).dequantized(torch.float32)
+    assert (restored - weight).abs().max() <= 2 ** -6 * (15 * scale.max() + offset.abs().max())
+
+
+def test_int8_round_trip_error_is_half_a_step():
+    torch.manual_seed(3)
+    weight = torch.randn(96, 64)
+    layer = Int8Linear(weight, None)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((layer.dequantized(torch.float32) - weight).abs() <= step * 0.51).all()
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request):
+    model = ours_from_hf(tiny_hf_model("qwen2"), dtype=torch.bfloat16)  # qwen2: qkv biases too
+    quantize_linears(model, request.param)
+    assert isinstance(model.layers[0].feed_forward.w13, KINDS[request.param])
+    assert isinstance(model.lm_head, Int8Linear)  # int4 too: see quantize_linears
+    return model
+
+
+PROMPTS = [[5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ngram_greedy_equals_plain_greedy_on_quantized_weights(quantized, prompt):
+    def run(speculation):
+        engine = Engine(quantized, max_ctx=128, prefill_chunk=8, speculation=speculation)
+        generation = engine.start(prompt, SamplingParams(), max_tokens=32)
+        return generation.run(), generation.stats
+
+    plain, _ = run(SpeculationConfig(drafter="none"))
+    speculative, stats = run(SpeculationConfig(drafter="ngram", max_draft_tokens=7, ngram_min=1, ngram_max=3, adaptive=False))
+    assert speculative == plain
+    assert stats.verification_steps > 0
+
+
+# Not fp32: MKL's fp32 GEMM computes a row differently with 1, 4 or 16 rows (README, Lossless).
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_verified_rows_get_the_logits_of_decode_steps_bit_for_bit(weights):
+    """At starts on both sides of the attention's key buckets (model.KEY_BUCKET), a forward over 8
+    rows gives each row exactly the logits a 1-row decode step at that position gives."""
+    model = ours_from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
+    quantize_linears(model, weights)
+    torch.manual_seed(5)
+    tokens = torch.randint(0, 128, (200,))
+    kv = model.new_kv_cache(256)
+    for start in (0, 1, 25, 28, 31, 32, 57, 63, 64, 120, 127, 190):
+        kv.length = 0
+        if start:
+            model(tokens[:start], 0, kv)
+        verified, _ = model(tokens[start : start + 8], start, kv, logits_positions=None)
+        for i in range(8):
+            kv.length = start + i
+            decoded, _ = model(tokens[start + i : start + i + 1], start + i, kv)
+            assert torch.equal(decoded[0], verified[i]), (start, i)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_prefill_rows_equal_decode_rows_whatever_the_chunking(weights):
+    """Keys, values and logits of a prompt are the same prefilled in one chunk, in other chunks, or
+    decoded a token at a time: a prefix-cache hit continues exactly as a recomputation would."""
+    model = ours_from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
+    quantize_linears(model, weights)
+    torch.manual_seed(7)
+    tokens = torch.randint(0, 128, (100,))
+
+    def run(chunks):
+        kv = model.new_kv_cache(256)
+        for start, end in zip(chunks, chunks[1:]):
+            logits, _ = model(tokens[start:end], start, kv, logits_positions=None)
+        return kv.keys[:, :, :100].clone(), kv.values[:, :, :100].clone(), logits[-1]
+
+    whole = run([0, 100])
+    for chunks in ([0, 37, 100], [0, 20, 21, 64, 99, 100], list(range(101))):
+        assert all(torch.equal(a, b) for a, b in zip(run(chunks), whole)), chunks
+
+
+def test_auto_serves_a_4_bit_source_as_int4_and_others_as_int8():
+    assert auto_weights("bfloat16", 4) == "int4"
+    assert auto_weights("bfloat16", 8) == "int8"
+    assert auto_weights("bfloat16", None) == "int8"
+    assert auto_weights("float32", 4) == "fp32"
+
+
+def test_layers_called_without_row_groups_compute_them_alike():
+    """A caller that runs decoder layers itself (no row groups passed) gets what forward gets."""
+    model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
+    tokens = torch.randint(0, 128, (40,))
+    kv = model.new_kv_cache(128)
+    _, (expected,) = model(tokens, 0, kv, capture_layers=(2,))
+    cos, sin = (table[:40] for table in model._rope_tables(128))
+    x = model.embed(tokens)
+    other = model.new_kv_cache(128)
+    with torch.inference_mode():
+        for index, layer in enumerate(model.layers):
+            x = layer(x, cos, sin, other, index, 0, None)
+    assert torch.equal(x, expected)
