@@ -193,7 +193,7 @@ class API:
             "cpu": self._model.cpu,
             "state": self._scheduler.state,
             "queue_depth": self._scheduler.queue_depth,
-            "running": self._scheduler.running_job(),
+            "running": self._scheduler.running_jobs(),
             "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
             "version": __version__,
             "warnings": list(exposure_warnings(self._config.server)),

@@ -250,16 +250,12 @@ class Scheduler:
     def running(self) -> int:
         return int(self._running is not None)
 
-    def running_job(self) -> dict | None:
-        """Where the running job stands, for operators watching a long prefill: as of its last step."""
+    def running_jobs(self) -> list[dict]:
+        """Where the running job stands (none or one), for operators watching a long prefill."""
         job = self._running
         if job is None:
-            return None
-        stats = job.progress or contract.GenerationStats()
-        return {"request_id": job.request_id, "prompt_tokens": len(job.prompt_ids),
-                "cached_tokens": stats.cached_tokens, "prefilled_tokens": stats.prefilled_tokens,
-                "generated_tokens": stats.generated_tokens,
-                "running_s": round(trio.current_time() - (job.started_at or job.queued_at), 3)}
+            return []
+        return [job_progress(job.request_id, len(job.prompt_ids), job.progress, job.started_at or job.queued_at)]
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
@@ -418,6 +414,15 @@ class Scheduler:
             outcome = "failed" if failed else "finished" if finished or not job.cancelled else "cancelled"
             self._ended(job, outcome, phase, stats)
         await self._read_cache_stats()
+
+
+def job_progress(request_id: str, prompt_tokens: int, stats: contract.GenerationStats | None,
+                 started_at: float) -> dict:
+    """A running job's numbers as of its last step (an entry of `running` on GET /)."""
+    stats = stats or contract.GenerationStats()
+    return {"request_id": request_id, "prompt_tokens": prompt_tokens, "cached_tokens": stats.cached_tokens,
+            "prefilled_tokens": stats.prefilled_tokens, "generated_tokens": stats.generated_tokens,
+            "running_s": round(trio.current_time() - started_at, 3)}
 
 
 def _take_step(generation: contract.Generation) -> JobStep:

@@ -28,7 +28,7 @@ from dflash.engine import contract
 from dflash.engine.grammar import GrammarError
 from dflash.logs import get_logger
 from dflash.sampling_params import SamplingParams
-from dflash.scheduler import EngineFailed, JobRecord, JobStep, QueueFull, ShuttingDown
+from dflash.scheduler import EngineFailed, JobRecord, JobStep, QueueFull, ShuttingDown, job_progress
 
 log = get_logger("dflash.cluster.front")
 STATUS_TIMEOUT_S = 5.0  # a replica that cannot answer this fast is counted as down
@@ -190,6 +190,12 @@ class ClusterScheduler:
     @property
     def cache_stats(self) -> contract.CacheStats:
         return self.replicas.cache_stats
+
+    def running_jobs(self) -> list[dict]:
+        """The jobs running on the replicas, as of each one's last step."""
+        return [{**job_progress(job.request_id, len(job.request.prompt_ids), job.last.stats if job.last else None,
+                                job.started_at), "replica": job.replica}
+                for job in self._jobs if job.started_at is not None]
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, *, request_id: str = "",
                snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,

@@ -91,13 +91,15 @@ function renderStatus(status) {
   renderRequests(status.recent_requests || []);
 }
 
-function describeRunning(job) {
-  if (!job) return "nothing";
-  const computed = job.cached_tokens + job.prefilled_tokens;
-  const phase = computed < job.prompt_tokens
-    ? `prefill ${computed} / ${job.prompt_tokens} tokens`
-    : `${job.generated_tokens} tokens generated`;
-  return `${phase}, ${job.running_s.toFixed(0)} s`;
+function describeRunning(jobs) {
+  if (!jobs || jobs.length === 0) return "nothing";
+  return jobs.map((job) => {
+    const computed = job.cached_tokens + job.prefilled_tokens;
+    const phase = computed < job.prompt_tokens
+      ? `prefill ${computed} / ${job.prompt_tokens} tokens`
+      : `${job.generated_tokens} tokens generated`;
+    return `${phase}, ${job.running_s.toFixed(0)} s`;
+  }).join("; ");
 }
 
 function element(tag, text, className) {

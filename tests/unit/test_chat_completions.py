@@ -195,16 +195,16 @@ async def test_root_shows_how_far_a_long_prefill_has_come(start_server):
 
         async def prefilled() -> int:
             running = (await request(served.port, "GET", "/")).json()["running"]
-            return running["prefilled_tokens"] if running else -1
+            return running[0]["prefilled_tokens"] if running else -1
 
         seen = []
         with trio.fail_after(10):
             while len(set(seen) - {-1, 0}) < 2:  # two different counts, mid-prefill
                 seen.append(await prefilled())
                 await trio.sleep(0.06)
-        running = (await request(served.port, "GET", "/")).json()["running"]
+        (running,) = (await request(served.port, "GET", "/")).json()["running"]
         assert running["prompt_tokens"] > running["prefilled_tokens"] > 0
         assert running["generated_tokens"] == 0 and running["running_s"] > 0
         nursery.cancel_scope.cancel()
     await wait_until(lambda: engine.idle)
-    assert (await request(served.port, "GET", "/")).json()["running"] is None
+    assert (await request(served.port, "GET", "/")).json()["running"] == []
