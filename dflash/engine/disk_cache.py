@@ -228,6 +228,8 @@ class DiskCache:
                 path.unlink(missing_ok=True)
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
             self._index(path)
+        # A process killed between a write's rename and its trim leaves the folder over budget.
+        self._trim()
 
     def _index(self, path: Path) -> None:
         try:

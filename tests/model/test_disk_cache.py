@@ -98,3 +98,17 @@ def test_the_folder_is_trimmed_to_its_byte_budget(model, tmp_path):
     disk.flush()
     disk.close()
     assert sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}")) <= one_file * 2.5
+
+
+def test_a_folder_left_over_budget_is_trimmed_at_start(model, tmp_path):
+    """A writer killed between a snapshot's rename and its trim leaves the folder over budget: the
+    next process trims it before serving, oldest first."""
+    for first_token in range(1, 5):
+        serve_once(model, tmp_path, [first_token] + CONVERSATION)
+    files = sorted(tmp_path.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+    one_file = max(p.stat().st_size for p in files)
+    disk = DiskCache(tmp_path, max_bytes=int(one_file * 2.5), identity=IDENTITY)
+    disk.close()
+    left = sorted(tmp_path.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+    assert sum(p.stat().st_size for p in left) <= one_file * 2.5
+    assert left == files[-len(left):] and len(disk) == len(left)
