@@ -25,32 +25,20 @@ import argparse
 import os
 import random
 import re
-import sysconfig
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.long_context import WORDS, stdlib_tokens  # noqa: E402 (one needle vocabulary and filler)
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
 from dflash.engine.pflash import AttentionScorer, CompressionSettings, PromptCompressor, self_scorer_layers  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 
 ANSWER_TOKENS = 8
-WORDS = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper",
-         "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra")
-
-
-def stdlib_pool(tokenizer, count: int) -> list[int]:
-    """At least `count` tokens of the standard library's top-level modules, in name order."""
-    ids: list[int] = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        ids += tokenizer(f"# file: {path.name}\n{path.read_text(errors='replace')}\n")["input_ids"]
-        if len(ids) >= count:
-            return ids
-    raise SystemExit(f"the standard library has fewer than {count} tokens of sources")
-
-
 def make_case(rng: random.Random, tokenizer, pool: list[int], length: int, depth: float) -> dict:
     key = "-".join(rng.sample(WORDS, 2))
     value = str(rng.randrange(10**6, 10**7))
@@ -66,7 +54,7 @@ def make_case(rng: random.Random, tokenizer, pool: list[int], length: int, depth
 
 
 def make_cases(tokenizer, lengths: list[int], count: int, seed: int) -> dict[int, list[dict]]:
-    pool = stdlib_pool(tokenizer, max(lengths) * 3)
+    pool = stdlib_tokens(tokenizer, max(lengths) * 3)
     rng = random.Random(seed)
     depths = [0.1 + 0.8 * i / max(1, count - 1) for i in range(count)]
     return {length: [make_case(rng, tokenizer, pool, length, depth) for depth in depths] for length in lengths}

@@ -1,24 +1,12 @@
 """What the engine reports for metrics: the live KV state, each cache tier's entries, bytes and
 the hits that really supplied a prefix, and speculation counted per drafter."""
 
-import pytest
-
 from dflash.engine.disk_cache import DiskCache
 from dflash.engine.generate import Engine
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
-from tests.model.tiny import ours_from_hf, tiny_hf_model
-
-IDENTITY = {"weights": "tiny-llama", "dtype": "float32", "max_ctx": 128, "template": "t"}
-CONVERSATION = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2, 8]
-BOUNDARY = 12
-
-
-@pytest.fixture(scope="module")
-def model():
-    return ours_from_hf(tiny_hf_model("llama"))
-
+from tests.model.test_disk_cache import BOUNDARY, CONVERSATION, IDENTITY, model  # noqa: F401  (the fixture)
 
 def engine_over(model, folder=None) -> tuple[Engine, DiskCache]:
     disk = DiskCache(folder, max_bytes=1 << 30, identity=IDENTITY, model="tiny-llama")
