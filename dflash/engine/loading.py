@@ -30,7 +30,7 @@ from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.cpu import cpu_kind
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer, with_rope_scaling
 from dflash.engine.native import extension as native_extension
-from dflash.engine.quant import WEIGHT_FORMATS, auto_weights, dtype_for_weights, quantize_linears
+from dflash.engine.quant import WEIGHT_FORMATS, auto_weights, dtype_for_weights, kernels_description, quantize_linears
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 # DFlash drafters that ship with the package, for the embedded models (`dflash train-drafter`).
@@ -111,7 +111,8 @@ def load_model(
         quantize_linears(model, weights)
         backend = "native"
         log.info("weights", format=weights, cpu=cpu_kind(), activations=dtype,
-                 decode_loop="native" if native_extension() is not None else "python")
+                 decode_loop="native" if native_extension() is not None else "python",
+                 kernels=kernels_description() if weights in ("int8", "int4") else "torch")
         log.info("context", max_ctx=max_ctx, trained_context=args.max_position_embeddings,
                  rope_scaling=args.rope_scaling, kv_dtype=str(model.kv_dtype).removeprefix("torch."), cpu=cpu_kind())
     else:

@@ -4,20 +4,29 @@ along the input), quantized at load time for every linear of our decoder and its
 Decoding reads every weight once per token, so on these CPUs a decode step is bound by weight bytes
 (README, Numbers): bf16 reads 270 MB per token of the embedded model, int8 about half, int4 (its
 LM head stays int8) about a third.
-Both kernels are torch's own (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16
-activations only (with fp32 ones they run scalar loops), and each output row is computed the same
-way whatever the number of rows (tested in tests/model/test_weight_formats.py). Every row — decode,
-verification and prefill — goes through them, so a verified row gets exactly the logits a decoded
-row gets (greedy speculation stays lossless) and a prompt's keys do not depend on how it was
-chunked (a prefix-cache hit equals a recomputation). Prefill pays for it: these kernels have no
-AMX/VNNI path (one layer of the embedded model over 256 rows: ~33 ms int4, ~18 ms bf16 in 16-row
-blocks, 1 thread on AMX).
+Two kernel sets, chosen at load by what the CPU has (`kernels()`, in the start-up log):
+- "int8-dot": ours (native/quantized_linear.cpp), where the native extension is built and the CPU
+  has AVX512-VNNI. Activations are quantized to int8 per row and group of 32 (as llama.cpp does),
+  each group's dot product is an exact int32 sum (VNNI for up to 4 rows, AMX tiles for more where
+  the CPU has them), and the scales are applied in one fixed order per row. The weights are kept
+  in its layout (`pack_int4`, `pack_int8`).
+- "torch": torch's own (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), everywhere else
+  (AVX2-only CPUs, no compiler); bf16 activations (they run scalar loops on fp32 ones), row by row.
+Both compute each output row the same way whatever the number of rows
+(tests/model/test_weight_formats.py runs both). Every row — decode, verification and prefill — goes
+through the same kernel set, so a verified row gets exactly the logits a decoded row gets (greedy
+speculation stays lossless) and a prompt's keys do not depend on how it was chunked (a prefix-cache
+hit equals a recomputation). Quality of each (bench/quality.py): README, Numbers.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor, nn
+
+from dflash.engine.native import extension as native_extension
 
 WEIGHT_FORMATS = ("auto", "bf16", "fp32", "int8", "int4")
 INT4_GROUP = 32  # the block of GGUF's Q4_0/Q4_1/Q8_0: a 4-bit GGUF's values are kept exactly
@@ -37,6 +46,66 @@ def auto_weights(dtype: str, source_bits: int | None) -> str:
     if dtype == "float32":
         return "fp32"
     return "int4" if source_bits is not None and source_bits <= 4 else "int8"
+
+
+KERNEL_SETS = ("int8-dot", "torch")
+
+
+def kernels() -> str:
+    """The quantized kernels this process uses (the start-up log says which): ours where the
+    native extension is built and the CPU has AVX512-VNNI, else torch's. `DFLASH_KERNELS=torch`
+    forces torch's (the tests run both)."""
+    native = native_extension()
+    if os.environ.get("DFLASH_KERNELS") == "torch" or native is None or not native.vnni_available():
+        return "torch"
+    return "int8-dot"
+
+
+def kernels_description() -> str:
+    """For the start-up log: which kernels, and whether ours use AMX tiles for 5 rows or more."""
+    name = kernels()
+    if name == "torch":
+        return name
+    amx = native_extension().amx_available() and os.environ.get("DFLASH_AMX") != "0"
+    return f"{name} (VNNI{' + AMX for 5+ rows' if amx else ''})"
+
+
+def kernels_for(weight: Tensor) -> str:
+    """Ours need whole blocks: 16 output channels by groups of 32 inputs."""
+    N, K = weight.shape
+    return kernels() if N % 16 == 0 and K % INT4_GROUP == 0 else "torch"
+
+
+def quads(values: Tensor) -> Tensor:
+    """[N, K] -> [N/16, K/32, 8, 64]: quad t, byte 4j+i = values[16 nb + j, 32 kb + 4t + i]."""
+    N, K = values.shape
+    return values.view(N // 16, 16, K // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 32, 8, 64)
+
+
+def unquads(packed: Tensor) -> Tensor:
+    """The inverse of `quads`."""
+    blocks, groups = packed.shape[:2]
+    return packed.view(blocks, groups, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups * 32)
+
+
+def pack_int8(codes: Tensor) -> Tensor:
+    """int8 codes [N, K] -> quantized_linear.cpp's layout: quads of the codes + 128, as uint8."""
+    return quads((codes.to(torch.int16) + 128).to(torch.uint8)).contiguous()
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """codes [N, K] in 0..15 -> [N/16, K/32, 4, 64] uint8: quads 2c and 2c+1 in the low and high
+    nibbles of chunk c (quantized_linear.cpp's layout)."""
+    N, K = codes.shape
+    chunks = quads(codes.to(torch.uint8)).view(N // 16, K // 32, 4, 2, 64)
+    return (chunks[:, :, :, 0] | (chunks[:, :, :, 1] << 4)).contiguous()
+
+
+def per_group(scale: Tensor, zero: Tensor) -> Tensor:
+    """scale and zero [N, K/32] -> [N/16, K/32, 2, 16] bf16."""
+    N, groups = scale.shape
+    per_block = lambda v: v.reshape(N // 16, 16, groups).permute(0, 2, 1)  # noqa: E731
+    return torch.stack([per_block(scale), per_block(zero)], dim=2).to(torch.bfloat16).contiguous()
 
 
 class QuantizedLinear(nn.Module):
@@ -63,15 +132,20 @@ class Int8Linear(QuantizedLinear):
         exact = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         scales = exact.to(torch.bfloat16)
         scales = torch.where(scales.float() < exact, torch.nextafter(scales, torch.tensor(float("inf"), dtype=torch.bfloat16)), scales)
-        self.register_buffer("qweight", torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
-        self.register_buffer("scales", scales)  # [N]
+        qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        self.kernels = kernels_for(w)
+        self.register_buffer("qweight", qweight if self.kernels == "torch" else pack_int8(qweight))
+        self.register_buffer("scales", scales if self.kernels == "torch" else scales.float())  # [N]
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
-        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        codes = self.qweight if self.kernels == "torch" else unquads(self.qweight).to(torch.int16) - 128
+        return codes.to(dtype) * self.scales.to(dtype)[:, None]
 
     def matmul(self, x: Tensor) -> Tensor:
+        if self.kernels != "torch":
+            return native_extension().int8_matmul(x, self.qweight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
@@ -91,9 +165,14 @@ class Int4Linear(QuantizedLinear):
         scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15).clamp(min=1e-12).to(torch.bfloat16).float()
         zero = (low + 8 * scale).to(torch.bfloat16).float()
         codes = torch.round((groups - zero) / scale + 8).clamp(0, 15).to(torch.uint8).view(N, K)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
-        scales_and_zeros = torch.stack([scale.view(N, -1), zero.view(N, -1)], dim=-1)  # [N, groups, 2]
-        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.kernels = kernels_for(w)
+        if self.kernels != "torch":
+            self.register_buffer("packed", pack_int4(codes))
+            self.register_buffer("scales_and_zeros", per_group(scale.view(N, -1), zero.view(N, -1)))
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
+            scales_and_zeros = torch.stack([scale.view(N, -1), zero.view(N, -1)], dim=-1)  # [N, groups, 2]
+            self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.in_features, self.out_features = K, N
 
@@ -108,6 +187,8 @@ class Int4Linear(QuantizedLinear):
         return self.matmul(identity).t().to(dtype)
 
     def matmul(self, x: Tensor) -> Tensor:
+        if self.kernels != "torch":
+            return native_extension().int4_matmul(x, self.packed, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 

@@ -1,12 +1,16 @@
 """Weight-only int8 and int4: the kernels give each row the same result whatever the number of rows
 (so verification sees decode's logits), the values round-trip, and greedy speculation on a quantized
-model reproduces plain greedy decoding of the same format token for token."""
+model reproduces plain greedy decoding of the same format token for token. Every test runs on both
+kernel sets we ship (quant.kernels): ours (int8 dot products: VNNI for up to 4 rows, AMX tiles for
+more where the CPU has them, so the row-count test also proves the two agree bit for bit) and
+torch's."""
 
 import pytest
 import torch
 
 from dflash.engine.generate import Engine
-from dflash.engine.quant import Int4Linear, Int8Linear, auto_weights, quantize_linears
+from dflash.engine.native import extension
+from dflash.engine.quant import Int4Linear, Int8Linear, auto_weights, kernels, quantize_linears
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
 from tests.model.tiny import ours_from_hf, tiny_hf_model
@@ -14,11 +18,21 @@ from tests.model.tiny import ours_from_hf, tiny_hf_model
 KINDS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
+@pytest.fixture(autouse=True, params=["int8-dot", "torch"])
+def kernel_set(request, monkeypatch):
+    if request.param == "int8-dot" and (extension() is None or not extension().vnni_available()):
+        pytest.skip("our kernels need the native extension and AVX512-VNNI")
+    monkeypatch.setenv("DFLASH_KERNELS", request.param)
+    assert kernels() == request.param
+    return request.param
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [(128, 64), (192, 96), (960, 576), (576, 1536)])
 def test_each_row_is_computed_the_same_whatever_the_row_count(kind, shape):
     torch.manual_seed(1)
     linear = KINDS[kind](torch.randn(shape) * 0.05, torch.randn(shape[0]) * 0.1)
+    assert linear.kernels == kernels()
     x = torch.randn(64, shape[1]).bfloat16()
     together = linear(x)
     for rows in (1, 2, 5, 8, 16, 32):
@@ -47,8 +61,8 @@ def test_int8_round_trip_error_is_half_a_step():
     assert ((layer.dequantized(torch.float32) - weight).abs() <= step * 0.51).all()
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
-def quantized(request):
+@pytest.fixture(params=["int8", "int4"])
+def quantized(request, kernel_set):
     model = ours_from_hf(tiny_hf_model("qwen2"), dtype=torch.bfloat16)  # qwen2: qkv biases too
     quantize_linears(model, request.param)
     assert isinstance(model.layers[0].feed_forward.w13, KINDS[request.param])

@@ -19,7 +19,7 @@ import torch
 
 log = structlog.get_logger("dflash.native")
 
-SOURCE = Path(__file__).with_name("decode_layers.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_layers.cpp", "quantized_linear.cpp")]
 BUILD_DIR = Path(__file__).with_name("build")
 NAME = "dflash_decode_layers"
 
@@ -28,7 +28,7 @@ def build() -> Path:
     from torch.utils.cpp_extension import load
 
     BUILD_DIR.mkdir(exist_ok=True)
-    load(NAME, [str(SOURCE)], build_directory=str(BUILD_DIR), extra_cflags=["-O2"], verbose=False)
+    load(NAME, [str(source) for source in SOURCES], build_directory=str(BUILD_DIR), extra_cflags=["-O2"], verbose=False)
     return built_library()
 
 
@@ -45,7 +45,7 @@ def extension():
     library = built_library()
     if library is None:
         return None
-    if library.stat().st_mtime < SOURCE.stat().st_mtime:
+    if library.stat().st_mtime < max(source.stat().st_mtime for source in SOURCES):
         log.warning("native_stale", library=str(library), fix="run `make install` to rebuild; using Python")
         return None
     try:
@@ -71,10 +71,10 @@ def layer_arguments(model) -> dict:
             qk_norms += [attention.q_norm.weight, attention.k_norm.weight]
         for linear in (attention.wqkv, attention.wo, ffn.w13, ffn.w2):
             if isinstance(linear, Int4Linear):
-                kinds.append(2)
+                kinds.append(2 if linear.kernels == "torch" else 4)
                 tensors += [linear.packed, linear.scales_and_zeros]
             elif isinstance(linear, Int8Linear):
-                kinds.append(1)
+                kinds.append(1 if linear.kernels == "torch" else 3)
                 tensors += [linear.qweight, linear.scales]
             else:
                 kinds.append(0)

@@ -8,9 +8,16 @@
 
 #include <vector>
 
+// quantized_linear.cpp
+bool vnni_available();
+bool amx_available();
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+
 namespace {
 
-enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+// torch's quantized kernels (kInt8, kInt4) or ours (kInt8Dot, kInt4Dot): quant.py's layouts.
+enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt8Dot = 3, kInt4Dot = 4 };
 
 struct Linear {
   int64_t kind;
@@ -23,7 +30,13 @@ struct Linear {
     if (kind == kDense) return at::linear(x, a, has_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     auto flat = x.reshape({-1, x.size(-1)});
     auto input = flat.to(at::kBFloat16);
-    auto out = kind == kInt8 ? at::_weight_int8pack_mm(input, a, b) : at::_weight_int4pack_mm_for_cpu(input, a, group, b);
+    at::Tensor out;
+    switch (kind) {
+      case kInt8: out = at::_weight_int8pack_mm(input, a, b); break;
+      case kInt4: out = at::_weight_int4pack_mm_for_cpu(input, a, group, b); break;
+      case kInt8Dot: out = int8_matmul(input, a, b); break;
+      default: out = int4_matmul(input, a, b); break;
+    }
     out = out.to(x.scalar_type());
     if (has_bias) out = out + bias.to(x.scalar_type());
     auto shape = x.sizes().vec();
@@ -113,6 +126,12 @@ std::vector<at::Tensor> decode_layers(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
+  m.def("vnni_available", &vnni_available, "whether this CPU can run quantized_linear.cpp's kernels");
+  m.def("amx_available", &amx_available, "whether they use AMX tiles for 5 rows or more here");
+  m.def("int4_matmul", &int4_matmul, "x [M, K] bf16 . int4 weights (quant.py's layout) -> [M, N] bf16",
+        arg("x"), arg("codes"), arg("scales"));
+  m.def("int8_matmul", &int8_matmul, "x [M, K] bf16 . int8 weights (quant.py's layout) -> [M, N] bf16",
+        arg("x"), arg("codes"), arg("scales"));
   m.def("decode_layers", &decode_layers, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
         arg("sin"), arg("keys"), arg("values"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),

@@ -1,0 +1,399 @@
+// Weight-only int4 and int8 matmuls with integer dot products: y[M, N] = x[M, K] . W[N, K]^T.
+//
+// Why: torch's CPU kernels for quantized weights (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm)
+// dequantize to floats and compute row by row: a decode row costs ~2.5x what these do, and 8
+// verification rows or a prefill chunk pay per row. Here x is quantized to int8 per row and group
+// of 32 inputs (x ~ x_scale * q_x, the way llama.cpp quantizes activations) and each group's
+// dot product is an exact int32 sum: AVX512-VNNI's vpdpbusd for few rows, AMX's tdpbsud (a
+// 16-row tile at once) for many rows where the CPU has AMX.
+//
+// Row invariance (see model.py) holds by construction: integer sums are exact whichever
+// instruction and blocking computed them, and the float epilogue that applies the scales is one
+// fixed sequence per row and group. So a verified row equals a decoded row bit for bit, prefill rows
+// equal them too, and the two kernels agree exactly (tests/model/test_weight_formats.py).
+//
+// Layouts (made by quant.py), per block of 16 output channels and group g of 32 inputs, in 4-byte
+// quads: quad t, byte 4j+i holds the code of channel n0+j, input k0+4t+i (AMX's B-tile layout too):
+//   int4: [N/16, K/32, 4, 64] uint8: chunk c holds quad 2c in its low nibbles and 2c+1 in its high
+//         ones; scales [N/16, K/32, 2, 16] bf16: scale and zero (w = (q - 8) * scale + zero).
+//   int8: [N/16, K/32, 8, 64] uint8 holding q + 128; scales [N] fp32 (w = q * scale).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChannels = 16;  // output channels per block: one vector of 16 int32/fp32
+constexpr int64_t kGroup = 32;     // inputs per group of scales
+constexpr int64_t kTileRows = 16;  // rows of x per AMX tile
+constexpr int64_t kAmxFromRows = 5;  // fewer rows run on VNNI (measured: faster there up to 4)
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+bool cpu_has_amx_int8() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8");
+}
+
+bool request_amx_permission() {
+  // Linux hands out the AMX register state only to a process that asks (ARCH_REQ_XCOMP_PERM for
+  // XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL.
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+VNNI_TARGET inline __m512 bf16_to_fp32(const void* sixteen_bf16) {
+  auto wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(sixteen_bf16)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// fp32 -> bf16, rounding to nearest even (what vcvtneps2bf16 does for numbers), on any AVX512 CPU.
+VNNI_TARGET inline void store_bf16(at::BFloat16* out, __m512 values) {
+  __m512i bits = _mm512_castps_si512(values);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+struct QuantizedRows {  // x [M, K] as int8 per group of 32: x ~ scale * q
+  int64_t K, groups;
+  std::vector<int8_t> q;       // [rows, K], rows padded with zeros to a multiple of 16 for AMX
+  std::vector<float> scale;    // [M, K/32]
+  std::vector<int32_t> total;  // [M, K/32]: the sum of q over the group
+  const int8_t* row(int64_t m, int64_t g) const { return q.data() + m * K + g * kGroup; }
+};
+
+VNNI_TARGET QuantizedRows quantize_rows(const at::BFloat16* x, int64_t M, int64_t padded_rows, int64_t K) {
+  const int64_t groups = K / kGroup;
+  QuantizedRows out{K, groups, std::vector<int8_t>(padded_rows * K), std::vector<float>(M * groups),
+                    std::vector<int32_t>(M * groups)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const auto* p = x + m * K + g * kGroup;
+      __m512 low = bf16_to_fp32(p), high = bf16_to_fp32(p + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+      __m512 inverse = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+      __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));  // round to nearest even
+      __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+      int8_t* q = out.q.data() + m * K + g * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q_low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q_high));
+      out.scale[m * groups + g] = amax / 127.0f;
+      out.total[m * groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high));
+    }
+  }
+  return out;
+}
+
+// The epilogues, shared by both kernels so that their rows agree bit for bit. `dot` is the int32
+// sum over one group of 16 channels.
+VNNI_TARGET inline __m512 int4_group(__m512 total, __m512i dot, __m512 scale, __m512 offset, const QuantizedRows& x,
+                                     int64_t m, int64_t g) {
+  // sum_k x_k w_k = x_scale * (scale * sum q_x q_w + offset * sum q_x), w = q_w * scale + offset
+  const int64_t at = m * x.groups + g;
+  __m512 group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, _mm512_mul_ps(offset, _mm512_set1_ps(float(x.total[at]))));
+  return _mm512_fmadd_ps(group, _mm512_set1_ps(x.scale[at]), total);
+}
+
+VNNI_TARGET inline __m512 int8_group(__m512 total, __m512i dot_of_offset_codes, const QuantizedRows& x, int64_t m,
+                                     int64_t g) {
+  const int64_t at = m * x.groups + g;  // the codes were stored + 128: take 128 * sum q_x back
+  __m512i dot = _mm512_sub_epi32(dot_of_offset_codes, _mm512_set1_epi32(128 * x.total[at]));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x.scale[at]), total);
+}
+
+VNNI_TARGET inline void int4_group_scales(const at::BFloat16* scales, __m512& scale, __m512& offset) {
+  scale = bf16_to_fp32(scales);
+  offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, bf16_to_fp32(scales + 16));  // w = q * scale + offset
+}
+
+VNNI_TARGET inline __m512i quad(const int8_t* q) {  // 4 int8 broadcast to every lane
+  int32_t bits;
+  std::memcpy(&bits, q, 4);
+  return _mm512_set1_epi32(bits);
+}
+
+// ----- VNNI: one block of 16 channels over rows [m0, m0 + Rows), weights kept in registers -----
+
+template <int Rows>
+VNNI_TARGET void int4_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const at::BFloat16* scales,
+                           at::BFloat16* y, int64_t N, int64_t block) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 totals[Rows];
+  for (int r = 0; r < Rows; ++r) totals[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const int64_t tile = block * x.groups + g;
+    __m512i w[8];
+    for (int c = 0; c < 4; ++c) {
+      __m512i bytes = _mm512_loadu_si512(codes + tile * 256 + 64 * c);
+      w[2 * c] = _mm512_and_si512(bytes, nibble);
+      w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    }
+    __m512 scale, offset;
+    int4_group_scales(scales + tile * 32, scale, offset);
+    for (int r = 0; r < Rows; ++r) {
+      const int8_t* q = x.row(m0 + r, g);
+      __m512i dot = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
+      totals[r] = int4_group(totals[r], dot, scale, offset, x, m0 + r, g);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, totals[r]);
+}
+
+template <int Rows>
+VNNI_TARGET void int8_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const float* scales,
+                           at::BFloat16* y, int64_t N, int64_t block) {
+  __m512 totals[Rows];
+  for (int r = 0; r < Rows; ++r) totals[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* packed = codes + (block * x.groups + g) * 512;
+    __m512i w[8];
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(packed + 64 * t);
+    for (int r = 0; r < Rows; ++r) {
+      const int8_t* q = x.row(m0 + r, g);
+      __m512i dot = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
+      totals[r] = int8_group(totals[r], dot, x, m0 + r, g);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(scales + block * kChannels);
+  for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, _mm512_mul_ps(totals[r], scale));
+}
+
+// Rows in passes of up to 4 (a group's weights are loaded once per pass).
+template <typename Kernel>
+void vnni_rows(int64_t M, Kernel kernel) {
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0;
+    if (left >= 4) { kernel(std::integral_constant<int, 4>{}, m0); m0 += 4; }
+    else if (left >= 2) { kernel(std::integral_constant<int, 2>{}, m0); m0 += 2; }
+    else { kernel(std::integral_constant<int, 1>{}, m0); m0 += 1; }
+  }
+}
+
+// ----- AMX: 16 rows x 16 channels per tile, tdpbsud (signed x, unsigned codes) per group -----
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: int32 sums of four channel blocks (`rows` x 16), tmm4: x (`rows` x 32 int8),
+// tmm5-7: codes (8 quads x 64 bytes), the fourth block reusing tmm5.
+AMX_TARGET void load_tile_config(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 4; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = rows;
+  }
+  config.colsb[4] = kGroup;
+  config.rows[4] = rows;
+  for (int t = 5; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kGroup / 4;
+  }
+  // gcc's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so without this
+  // barrier the stores of the row counts may be dropped (and the first tile instruction faults).
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&config);
+}
+
+AMX_TARGET void release_tiles() { _tile_release(); }
+
+template <int Tile>
+AMX_TARGET inline void multiply_block(const uint8_t* codes) {  // tmm{Tile} += tmm4 . codes
+  if constexpr (Tile == 0) { _tile_loadd(5, codes, 64); _tile_dpbsud(0, 4, 5); }
+  if constexpr (Tile == 1) { _tile_loadd(6, codes, 64); _tile_dpbsud(1, 4, 6); }
+  if constexpr (Tile == 2) { _tile_loadd(7, codes, 64); _tile_dpbsud(2, 4, 7); }
+  if constexpr (Tile == 3) { _tile_loadd(5, codes, 64); _tile_dpbsud(3, 4, 5); }
+}
+
+template <int Blocks>
+AMX_TARGET inline void group_tiles(const int8_t* x, int64_t stride, const uint8_t* const* codes, int32_t* sums) {
+  _tile_zero(0);
+  if constexpr (Blocks > 1) _tile_zero(1);
+  if constexpr (Blocks > 2) _tile_zero(2);
+  if constexpr (Blocks > 3) _tile_zero(3);
+  _tile_loadd(4, x, stride);
+  multiply_block<0>(codes[0]);
+  if constexpr (Blocks > 1) multiply_block<1>(codes[1]);
+  if constexpr (Blocks > 2) multiply_block<2>(codes[2]);
+  if constexpr (Blocks > 3) multiply_block<3>(codes[3]);
+  _tile_stored(0, sums, 64);
+  if constexpr (Blocks > 1) _tile_stored(1, sums + 256, 64);
+  if constexpr (Blocks > 2) _tile_stored(2, sums + 512, 64);
+  if constexpr (Blocks > 3) _tile_stored(3, sums + 768, 64);
+}
+
+VNNI_TARGET inline void unpack_int4(const uint8_t* packed, uint8_t* codes) {  // 256 bytes -> 8 quads of 64
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    __m512i bytes = _mm512_loadu_si512(packed + 64 * c);
+    _mm512_store_si512(codes + 128 * c, _mm512_and_si512(bytes, nibble));
+    _mm512_store_si512(codes + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
+  }
+}
+
+// Channel blocks first .. first + Blocks over all rows (padded to 16 in x.q; `M` real ones).
+// `totals` [Blocks, M, 16] fp32 scratch, `unpacked` 4 x 512 bytes, `sums` 4 x 256 int32.
+template <int Blocks, bool Int4>
+AMX_TARGET void amx_blocks(const QuantizedRows& x, int64_t M, const uint8_t* codes, const void* scales,
+                           at::BFloat16* y, int64_t N, int64_t first, float* totals, uint8_t* unpacked, int32_t* sums) {
+  const int64_t rows = std::min<int64_t>(M, kTileRows);
+  std::fill(totals, totals + Blocks * M * kChannels, 0.0f);
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* tiles[4];
+    __m512 scale[4], offset[4];
+    for (int b = 0; b < Blocks; ++b) {
+      const int64_t tile = (first + b) * x.groups + g;
+      if constexpr (Int4) {
+        unpack_int4(codes + tile * 256, unpacked + 512 * b);
+        tiles[b] = unpacked + 512 * b;
+        int4_group_scales(static_cast<const at::BFloat16*>(scales) + tile * 32, scale[b], offset[b]);
+      } else {
+        tiles[b] = codes + tile * 512;
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      group_tiles<Blocks>(x.row(m0, g), x.K, tiles, sums);
+      for (int64_t r = 0; r < rows && m0 + r < M; ++r) {
+        for (int b = 0; b < Blocks; ++b) {
+          float* total = totals + (b * M + m0 + r) * kChannels;
+          __m512i dot = _mm512_load_si512(sums + b * 256 + r * kChannels);
+          __m512 updated = Int4 ? int4_group(_mm512_load_ps(total), dot, scale[b], offset[b], x, m0 + r, g)
+                                : int8_group(_mm512_load_ps(total), dot, x, m0 + r, g);
+          _mm512_store_ps(total, updated);
+        }
+      }
+    }
+  }
+  for (int b = 0; b < Blocks; ++b) {
+    const __m512 scale_out = Int4 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(static_cast<const float*>(scales) + (first + b) * kChannels);
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 total = _mm512_load_ps(totals + (b * M + m) * kChannels);
+      store_bf16(y + m * N + (first + b) * kChannels, Int4 ? total : _mm512_mul_ps(total, scale_out));
+    }
+  }
+}
+
+template <typename T>
+struct Aligned {  // 64-byte aligned scratch
+  std::vector<T> storage;
+  explicit Aligned(size_t count) : storage(count + 64 / sizeof(T)) {}
+  T* get() { return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63)); }
+};
+
+template <bool Int4>
+void amx_matmul(const QuantizedRows& x, int64_t M, const uint8_t* codes, const void* scales, at::BFloat16* y,
+                int64_t N) {
+  at::parallel_for(0, N / kChannels, 4, [&](int64_t begin, int64_t end) {
+    Aligned<float> totals(4 * M * kChannels);
+    Aligned<uint8_t> unpacked(4 * 512);
+    Aligned<int32_t> sums(4 * 256);
+    load_tile_config(std::min<int64_t>(M, kTileRows));
+    for (int64_t block = begin; block < end; block += 4) {
+      switch (std::min<int64_t>(4, end - block)) {
+        case 4: amx_blocks<4, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get()); break;
+        case 3: amx_blocks<3, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get()); break;
+        case 2: amx_blocks<2, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get()); break;
+        default: amx_blocks<1, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get());
+      }
+    }
+    release_tiles();
+  });
+}
+
+bool use_amx(int64_t M);
+
+void check_arguments(const at::Tensor& x, const at::Tensor& codes, int64_t bytes_per_group, const char* name) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) * codes.size(3) == bytes_per_group && codes.is_contiguous(), name,
+              ": codes are not in quant.py's layout: ", codes.sizes());
+  const int64_t K = codes.size(1) * kGroup;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == K, name, ": expected x [M, ", K,
+              "] bf16, got ", x.sizes(), " ", x.scalar_type());
+}
+
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool int4) {
+  const int64_t N = codes.size(0) * kChannels, K = codes.size(1) * kGroup, M = x.size(0);
+  auto input = x.contiguous();
+  const bool amx = use_amx(M);
+  const int64_t padded = amx ? (M + kTileRows - 1) / kTileRows * kTileRows : M;
+  const QuantizedRows rows = quantize_rows(input.data_ptr<at::BFloat16>(), M, padded, K);
+  auto y = at::empty({M, N}, x.options());
+  auto* out = y.data_ptr<at::BFloat16>();
+  const auto* packed = codes.data_ptr<uint8_t>();
+  if (amx) {
+    if (int4) amx_matmul<true>(rows, M, packed, scales.data_ptr<at::BFloat16>(), out, N);
+    else amx_matmul<false>(rows, M, packed, scales.data_ptr<float>(), out, N);
+    return y;
+  }
+  at::parallel_for(0, N / kChannels, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      if (int4) {
+        const auto* group_scales = scales.data_ptr<at::BFloat16>();
+        vnni_rows(M, [&](auto rows_per_pass, int64_t m0) {
+          int4_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, group_scales, out, N, block);
+        });
+      } else {
+        const auto* channel_scales = scales.data_ptr<float>();
+        vnni_rows(M, [&](auto rows_per_pass, int64_t m0) {
+          int8_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, channel_scales, out, N, block);
+        });
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+bool vnni_available() {
+  static const bool available = cpu_has_vnni();
+  return available;
+}
+
+bool amx_available() {
+  static const bool available = vnni_available() && cpu_has_amx_int8() && request_amx_permission();
+  return available;
+}
+
+namespace {
+bool use_amx(int64_t M) {
+  static const bool allowed = std::getenv("DFLASH_AMX") == nullptr || std::string(std::getenv("DFLASH_AMX")) != "0";
+  return M >= kAmxFromRows && allowed && amx_available();
+}
+}  // namespace
+
+// x [M, K] bf16, codes [N/16, K/32, 4, 64] uint8, scales [N/16, K/32, 2, 16] bf16 -> [M, N] bf16.
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(vnni_available(), "int4_matmul: this CPU has no AVX512-VNNI");
+  check_arguments(x, codes, 256, "int4_matmul");
+  return quantized_matmul(x, codes, scales, true);
+}
+
+// x [M, K] bf16, codes [N/16, K/32, 8, 64] uint8 (q + 128), scales [N] fp32 -> [M, N] bf16.
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(vnni_available(), "int8_matmul: this CPU has no AVX512-VNNI");
+  check_arguments(x, codes, 512, "int8_matmul");
+  return quantized_matmul(x, codes, scales, false);
+}
