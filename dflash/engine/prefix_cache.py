@@ -38,9 +38,11 @@ def _given(key: tuple[int, ...], generated_from: int | None, prompt: Sequence[in
     n = len(key)
     if n < len(prompt) and tuple(prompt[:n]) == key:
         return n
-    if generated_from is None or generated_from >= len(prompt) or tuple(prompt[:generated_from + 1]) != key[:generated_from + 1]:
+    if generated_from is None or generated_from >= len(prompt):
         return 0
-    shared = generated_from + 1
+    shared = generated_from + 1  # the turn's prompt and its first generated token, at least
+    if tuple(prompt[:shared]) != key[:shared]:
+        return 0
     last = min(n, len(prompt) - 1)
     while shared < last and key[shared] == prompt[shared]:
         shared += 1
