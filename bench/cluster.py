@@ -10,7 +10,7 @@ Conversations carry Claude Code's session id in `metadata.user_id`, which the af
 on. The CPU kind is printed: on a machine with C cores, replicas beyond C/threads only contend.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/cluster.py [--conversations 4] [--turns 4]
-        [--system-tokens 800] [--setups 1:affine,2:affine,2:power_of_two]
+        [--system-tokens 800] [--cache-mib 0] [--setups 1:affine,2:affine,2:power_of_two]
 """
 
 from __future__ import annotations
@@ -35,15 +35,20 @@ TOOL_PAUSE_S = 0.3  # the client runs its tool; the replica is free meanwhile
 
 def converse(base_url: str, index: int, turns: int, system: str, tools: list[dict], rows: list) -> None:
     """One conversation: a row (turn, ttft_s, prompt tokens, cached tokens, turn-cache hit, output
-    tokens) per turn."""
+    tokens, last turn resumed) per turn. The server's turn-cache hit says the restored prefix
+    includes a generated turn, any one; the last turn is resumed when the cached prefix reaches
+    past the previous turn's prompt, into the turn generated for it."""
     session = f"user_bench_account_bench_session_{index:04d}"
     with httpx.Client(base_url=base_url, timeout=600) as client:
         messages: list[dict] = [{"role": "user", "content": f"Task {index}: look at the request handlers in "
                                                             "src/ and tidy them up."}]
+        previous_prompt = None
         for turn in range(1, turns + 1):
             ttft, reply, timings = stream_turn(client, system, tools, messages, metadata={"user_id": session})
-            rows.append((turn, ttft, timings.get("prompt_tokens", 0), timings.get("cached_prefix_tokens", 0),
-                         bool(timings.get("agent_turn_cache_hit")), timings.get("output_tokens", 0)))
+            prompt, cached = timings.get("prompt_tokens", 0), timings.get("cached_prefix_tokens", 0)
+            rows.append((turn, ttft, prompt, cached, bool(timings.get("agent_turn_cache_hit")),
+                         timings.get("output_tokens", 0), previous_prompt is not None and cached > previous_prompt))
+            previous_prompt = prompt
             call = next((block for block in reply["content"] if block.get("type") == "tool_use"), None)
             if call is None:
                 break
@@ -56,7 +61,8 @@ def converse(base_url: str, index: int, turns: int, system: str, tools: list[dic
 def run_setup(replicas: int, router: str, args, system: str, tools: list[dict]) -> dict:
     cluster = {"replicas": replicas, "router": router, "ray_actor_options": {"num_cpus": 1}}
     model = {"max_ctx": 4096, "threads": args.threads}
-    with LiveServer(fake=False, model=model, cache={"agent_turn_cache": True}, cluster=cluster) as server:
+    cache = {"agent_turn_cache": True, **({"memory_budget_mib": args.cache_mib} if args.cache_mib else {})}
+    with LiveServer(fake=False, model=model, cache=cache, cluster=cluster) as server:
         base_url = f"http://127.0.0.1:{server.port}"
         # One warm-up turn per replica's worth of conversations, so no setup pays first-call costs.
         converse(base_url, 10_000, 1, system, tools, [])
@@ -79,6 +85,7 @@ def run_setup(replicas: int, router: str, args, system: str, tools: list[dict]) 
         "tokens_per_s": sum(row[5] for row in rows) / elapsed,
         "follow_up_ttft_s": statistics.median(row[1] for row in follow_ups) if follow_ups else float("nan"),
         "turn_cache_hits": sum(row[4] for row in follow_ups) / len(follow_ups) if follow_ups else float("nan"),
+        "last_turn_resumed": sum(row[6] for row in follow_ups) / len(follow_ups) if follow_ups else float("nan"),
         "cached_share": (sum(row[3] for row in follow_ups) / max(1, sum(row[2] for row in follow_ups))),
         "exit": exit_code,
     }
@@ -90,6 +97,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=800)
     parser.add_argument("--threads", type=int, default=1, help="engine threads per replica")
+    parser.add_argument("--cache-mib", type=int, default=0,
+                        help="[cache] memory_budget_mib per replica (0: the default, 2048)")
     parser.add_argument("--setups", default="1:affine,2:affine,2:power_of_two")
     args = parser.parse_args()
     system, tools = conversation_start(args.system_tokens)
@@ -99,11 +108,13 @@ def main() -> None:
         results.append(run_setup(int(replicas), router, args, system, tools))
         print(results[-1], flush=True)
     print(f"\ncluster: {args.conversations} conversations x {args.turns} turns, system prompt "
-          f"~{args.system_tokens} tokens, embedded model, {args.threads} thread(s) per replica, CPU: {cpu_kind()}")
+          f"~{args.system_tokens} tokens, embedded model, {args.threads} thread(s) per replica, "
+          f"cache memory {args.cache_mib or 2048} MiB per replica, CPU: {cpu_kind()}")
     print_table(["setup", "turns", "s", "turns/s", "output tok/s", "follow-up TTFT s (median)",
-                 "follow-up turn-cache hits", "follow-up prompt tokens cached"],
+                 "follow-up turn-cache hits", "follow-ups resuming their last turn", "follow-up prompt tokens cached"],
                 [[r["setup"], r["turns"], f"{r['seconds']:.1f}", f"{r['turns_per_s']:.2f}", f"{r['tokens_per_s']:.1f}",
-                  f"{r['follow_up_ttft_s']:.2f}", f"{r['turn_cache_hits']:.0%}", f"{r['cached_share']:.0%}"]
+                  f"{r['follow_up_ttft_s']:.2f}", f"{r['turn_cache_hits']:.0%}", f"{r['last_turn_resumed']:.0%}",
+                  f"{r['cached_share']:.0%}"]
                  for r in results])
 
 

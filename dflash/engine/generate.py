@@ -44,6 +44,7 @@ class Engine:
     prompt_cache = _reuse_setting("prompt_cache")
     reuse_live_state = _reuse_setting("reuse_live_state")
     agent_turn_replay = _reuse_setting("agent_turn_replay")
+    agent_turn_cache = _reuse_setting("agent_turn_cache")
     # The DFlash drafter mirrors the engine's KV: it sees the captured hidden states of every
     # token the target computes and is cropped and restored with it, so its context is complete.
     dflash_drafter = _reuse_setting("drafter")
@@ -62,6 +63,7 @@ class Engine:
         disk_cache: DiskCache | None = None,
         grammar_tokenizer_factory=None,
         agent_turn_replay: bool = False,
+        agent_turn_cache: bool = False,
         reuse_live_state: bool = True,
         compressor: PromptCompressor | None = None,
     ):
@@ -85,7 +87,7 @@ class Engine:
             prefix_cache=PrefixCache(0, 0) if prefix_cache is None else prefix_cache,
             prompt_cache=PrefixCache(0, 0) if prompt_cache is None else prompt_cache,
             disk_cache=disk_cache, drafter=dflash_drafter, reuse_live_state=reuse_live_state,
-            agent_turn_replay=agent_turn_replay)
+            agent_turn_replay=agent_turn_replay, agent_turn_cache=agent_turn_cache)
         self._live: Generation | None = None
 
     def start(

@@ -152,6 +152,7 @@ def load_model(
         prompt_cache=PrefixCache(prefill_cache_slots, _share(cache_budget_mib, prefill_cache_slots, prefix_cache_slots)),
         grammar_tokenizer_factory=lambda: GrammarTokenizer(tokenizer, model.args.vocab_size, eos_ids),
         agent_turn_replay=agent_turn_cache,
+        agent_turn_cache=agent_turn_cache,
         reuse_live_state=reuse_live_state,
         compressor=prompt_compressor(compression, model, backend, cache, dtype, max_ctx),
         disk_cache=(

@@ -33,6 +33,22 @@ def snapshot_bytes(snapshot, draft_rows: Tensor | None) -> int:
     return total
 
 
+def _given(key: tuple[int, ...], generated_from: int | None, prompt: Sequence[int]) -> int:
+    """How many of `prompt`'s tokens the entry keyed `key` gives (see PrefixCache.deepest)."""
+    n = len(key)
+    if n < len(prompt) and tuple(prompt[:n]) == key:
+        return n
+    if generated_from is None or generated_from >= len(prompt):
+        return 0
+    shared = generated_from + 1  # the turn's prompt and its first generated token, at least
+    if tuple(prompt[:shared]) != key[:shared]:
+        return 0
+    last = min(n, len(prompt) - 1)
+    while shared < last and key[shared] == prompt[shared]:
+        shared += 1
+    return shared
+
+
 class PrefixCache:
     def __init__(self, slots: int, budget_bytes: int):
         self.slots = slots
@@ -51,21 +67,27 @@ class PrefixCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._entries
 
-    def deepest(self, prompt: Sequence[int]) -> CacheEntry | None:
-        """The deepest entry that is a proper prefix of `prompt` (one token must stay to compute),
-        without counting a hit or moving it in the LRU order."""
-        best: CacheEntry | None = None
+    def deepest(self, prompt: Sequence[int]) -> tuple[CacheEntry, int] | None:
+        """The entry that gives the most of `prompt`, and how many of its tokens it gives (one
+        token must stay to compute), without counting a hit or moving it in the LRU order.
+
+        An entry gives all its tokens when it is a proper prefix of the prompt. An agent turn
+        snapshot (`generated_from` set) also gives the tokens the prompt shares with it past the
+        turn's start: the follow-up renders the generated turn from its text, which may tokenize
+        differently from what was generated (a grammar-constrained tool call often does), and
+        the shared part up to the first differing token is still valid."""
+        best: tuple[CacheEntry, int] | None = None
         for key, entry in self._entries.items():
-            n = len(key)
-            if n < len(prompt) and (best is None or n > len(best.tokens)) and tuple(prompt[:n]) == key:
-                best = entry
+            given = _given(key, entry.generated_from, prompt)
+            if given and (best is None or given > best[1]):
+                best = entry, given
         return best
 
-    def lookup(self, prompt: Sequence[int]) -> CacheEntry | None:
-        """The deepest entry that is a proper prefix of `prompt`, counted as a hit."""
+    def lookup(self, prompt: Sequence[int]) -> tuple[CacheEntry, int] | None:
+        """`deepest`, counted as a hit."""
         best = self.deepest(prompt)
         if best is not None:
-            self._entries.move_to_end(best.tokens)
+            self._entries.move_to_end(best[0].tokens)
         return best
 
     def store(self, tokens: Sequence[int], snapshot, draft_rows: Tensor | None = None,

@@ -27,7 +27,7 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PrefixReuse:
     def __init__(self, kv, *, prefix_cache: PrefixCache, prompt_cache: PrefixCache, disk_cache: DiskCache | None,
-                 drafter, reuse_live_state: bool, agent_turn_replay: bool):
+                 drafter, reuse_live_state: bool, agent_turn_replay: bool, agent_turn_cache: bool = False):
         self.kv = kv
         self.prefix_cache = prefix_cache  # snapshots at message boundaries
         self.prompt_cache = prompt_cache  # snapshots of exact prompts (minus the last token)
@@ -36,6 +36,9 @@ class PrefixReuse:
         # Off: every prompt starts from a snapshot or from nothing (what "caches off" means in benches).
         self.reuse_live_state = reuse_live_state
         self.agent_turn_replay = agent_turn_replay  # recompute a turn that renders differently (checkpoint)
+        # Snapshot a generated turn the live state holds before another conversation's prompt
+        # replaces it (see `_keep_live_turn`).
+        self.agent_turn_cache = agent_turn_cache
         self.committed: list[int] = []
         # Where the generated part of the committed tokens begins (the last prompt's length).
         self.generated_from: int | None = None
@@ -56,8 +59,8 @@ class PrefixReuse:
         """How many of `prompt`'s tokens the live state or a snapshot in memory holds, without
         changing anything (`begin` reuses at least as many; the disk tier is not asked)."""
         live = common_prefix_length(self.committed, prompt) if self.reuse_live_state else 0
-        entries = [c for c in (self.prefix_cache.deepest(prompt), self.prompt_cache.deepest(prompt)) if c is not None]
-        return min(max([live] + [len(entry.tokens) for entry in entries]), len(prompt) - 1)
+        found = [c for c in (self.prefix_cache.deepest(prompt), self.prompt_cache.deepest(prompt)) if c is not None]
+        return min(max([live] + [given for _, given in found]), len(prompt) - 1)
 
     def begin(self, prompt: Sequence[int]) -> tuple[int, int | None]:
         """Make the KV state hold the longest available prefix of `prompt` (see `_resume`), and
@@ -106,24 +109,40 @@ class PrefixReuse:
         """The live state's common prefix or a cached snapshot, whichever is deeper (keeping at
         least one token to compute: its logits give the first generated token). Returns how many
         prompt tokens the KV state holds, and whether they include a generated turn."""
-        live = min(common_prefix_length(self.committed, prompt), len(prompt) - 1) if self.reuse_live_state else 0
+        shared = common_prefix_length(self.committed, prompt)
+        if self.agent_turn_cache:
+            self._keep_live_turn(shared)
+        live = min(shared, len(prompt) - 1) if self.reuse_live_state else 0
         found = [(cache, cache.lookup(prompt)) for cache in (self.prefix_cache, self.prompt_cache)]
-        source, entry = max(((cache, entry) for cache, entry in found if entry is not None),
-                            key=lambda pair: len(pair[1].tokens), default=(None, None))
-        depth = max(live, len(entry.tokens) if entry is not None else 0)
+        source, (entry, given) = max(((cache, match) for cache, match in found if match is not None),
+                                     key=lambda pair: pair[1][1], default=(None, (None, 0)))
         if self.disk_cache is not None:
-            loaded = self.disk_cache.lookup(prompt, deeper_than=depth)
+            loaded = self.disk_cache.lookup(prompt, deeper_than=max(live, given))
             if loaded is not None:
                 self.prefix_cache.store(loaded.tokens, loaded.snapshot, loaded.draft_rows)
                 source, entry = self.disk_cache, CacheEntry(loaded.tokens, loaded.snapshot, loaded.draft_rows, 0)
-        if entry is None or len(entry.tokens) <= live:
+                given = len(loaded.tokens)
+        if entry is None or given <= live:
             kept = self.rollback(live)
             return kept, self.generated_from is not None and kept > self.generated_from
         source.hits += 1
-        generated_from = entry.generated_from
-        return self._restore(entry), generated_from is not None and len(entry.tokens) > generated_from
+        kept = self._restore(entry, given)
+        return kept, self.generated_from is not None and kept > self.generated_from
 
-    def _restore(self, entry: CacheEntry) -> int:
+    def _keep_live_turn(self, shared: int) -> None:
+        """Agent turn cache, before a prompt that shares `shared` tokens with the live state takes
+        it: if the live state holds a generated turn that prompt does not continue, snapshot it.
+        The turn's checkpoint (`keep_turn`) runs only while the engine is idle and the turn still
+        live; when another conversation's request is already waiting as the turn ends (several
+        conversations on one engine), it never runs, and without this snapshot the conversation's
+        follow-up would compute its turn again. The snapshot holds the turn as generated: the
+        follow-up computes the closing tokens, the tool result, and whatever of the turn it
+        tokenizes differently (see PrefixCache.deepest)."""
+        if self.generated_from is not None and shared <= self.generated_from < len(self.committed):
+            self._snapshot(self.prefix_cache, self.generated_from)
+
+    def _restore(self, entry: CacheEntry, given: int) -> int:
+        """Make the KV state hold the first `given` tokens of `entry`; returns how many it holds."""
         common = common_prefix_length(self.committed, entry.tokens)
         self.kv.restore(entry.snapshot)
         self.committed = list(entry.tokens)
@@ -133,7 +152,7 @@ class PrefixReuse:
                 self.drafter.restore(entry.draft_rows, common)
             else:
                 self.drafter.crop(common)
-        return len(entry.tokens)
+        return self.rollback(given) if given < len(entry.tokens) else len(entry.tokens)
 
     def _snapshot(self, cache: PrefixCache, generated_from: int | None = None, length: int | None = None) -> None:
         """Store the state of the first `length` committed tokens (all by default) in `cache`, a

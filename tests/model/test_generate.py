@@ -162,3 +162,31 @@ def test_continuing_the_live_state_through_a_generated_turn_counts_as_an_agent_t
     assert follow_up.stats.agent_turn_cache_hit and follow_up.stats.cached_tokens == len(PROMPT) + 4
     fresh = engine.start([9, 9, 9], SamplingParams(), max_tokens=2)
     assert not fresh.stats.agent_turn_cache_hit
+
+
+def test_the_turn_cache_keeps_the_last_turn_of_each_of_two_interleaved_conversations():
+    """Two agent conversations on one engine, with no turn checkpoint (the scheduler skips it when
+    the other conversation's request is already waiting as a turn ends): each follow-up still
+    restores its own generated turn, and computes only what it does not share with it."""
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    engine.prefix_cache = PrefixCache(slots=4, budget_bytes=1 << 30)
+    engine.agent_turn_cache = True
+    system = PROMPT[:4]
+    prompts = {"a": system + [7, 100, 4, 61, 12], "b": system + [8, 50, 51, 52, 53, 54]}
+    turns = {name: engine.start(prompt, SamplingParams(), max_tokens=5, snapshot_at=[len(system)]).run()
+             for name, prompt in prompts.items()}
+    closing = [2, 7]  # what the template writes after a turn
+    # a's follow-up renders its turn as generated; b's tokenizes the turn's end differently
+    rendered = {"a": turns["a"], "b": turns["b"][:2] + [77, 78]}
+    assert turns["b"][2] != 77
+    for name, tool_result in (("a", [40, 41]), ("b", [42, 43, 44])):  # the other one ran in between
+        follow_up = prompts[name] + rendered[name] + closing + tool_result
+        generation = engine.start(follow_up, SamplingParams(), max_tokens=4)
+        out = generation.run()
+        assert generation.stats.agent_turn_cache_hit
+        # a: all but the last generated token, which was never fed back; b: up to the difference
+        assert generation.stats.cached_tokens == len(prompts[name]) + (4 if name == "a" else 2)
+        assert out == reference_greedy(engine, follow_up, 4)
+    assert len(engine.prefix_cache) <= 4
