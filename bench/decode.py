@@ -129,8 +129,8 @@ def speed_at_contexts(source, dtype, kv_dtypes, contexts, tokens, threads):
     rows = []
     for kv_name in kv_dtypes:
         kv_dtype = engine.model.kv_dtype if kv_name == "auto" else getattr(torch, kv_name)
-        engine.kv = None  # free the previous cache before allocating the next
-        engine.kv = engine.model.new_kv_cache(max_ctx, kv_dtype)
+        engine.kv = engine.prefix_reuse.kv = None  # free the previous cache before allocating the next
+        engine.kv = engine.prefix_reuse.kv = engine.model.new_kv_cache(max_ctx, kv_dtype)
         engine.rollback(0)
         engine.start(filler[:16], SamplingParams(), max_tokens=4).run()  # warm-up
         for depth in contexts:

@@ -7,6 +7,7 @@ import transformers
 
 from dflash.engine.cpu import kind_from_flags
 from dflash.engine.generate import Engine
+import dflash.engine.model as model_module
 from dflash.engine.model import ModelArgs, build_transformer, kv_dtype_for, with_rope_scaling
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
@@ -67,24 +68,30 @@ def test_cpu_kind_from_flags(flags, kind):
     assert kind_from_flags(frozenset(flags)) == kind
 
 
-@pytest.mark.parametrize("dtype, device, expected", [
-    (torch.bfloat16, "cpu", torch.float32),
-    (torch.float16, "cpu", torch.float32),
-    (torch.float32, "cpu", torch.float32),
-    (torch.bfloat16, "cuda", torch.bfloat16),
+@pytest.mark.parametrize("dtype, device, bf16_hardware, expected", [
+    (torch.bfloat16, "cpu", False, torch.float32),
+    (torch.float16, "cpu", False, torch.float32),
+    (torch.bfloat16, "cpu", True, torch.bfloat16),
+    (torch.float32, "cpu", True, torch.float32),
+    (torch.float32, "cpu", False, torch.float32),
+    (torch.bfloat16, "cuda", False, torch.bfloat16),
 ])
-def test_kv_dtype_policy(dtype, device, expected):
+def test_kv_dtype_policy(dtype, device, bf16_hardware, expected, monkeypatch):
+    monkeypatch.setattr(model_module, "has_bf16_hardware", lambda: bf16_hardware)
     assert kv_dtype_for(dtype, torch.device(device)) == expected
 
 
-def test_a_bf16_model_keeps_fp32_keys_and_values_and_speculation_stays_lossless():
+@pytest.mark.parametrize("bf16_hardware", [False, True])
+def test_a_bf16_model_keeps_its_kv_dtype_and_speculation_stays_lossless(bf16_hardware, monkeypatch):
+    monkeypatch.setattr(model_module, "has_bf16_hardware", lambda: bf16_hardware)
+    expected = torch.bfloat16 if bf16_hardware else torch.float32
     target = ours_from_hf(tiny_hf_model("llama"), torch.bfloat16)
     ngram = SpeculationConfig(drafter="ngram", max_draft_tokens=4, ngram_min=1, ngram_max=3, adaptive=False)
     prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2]
     outputs = []
     for speculation in (SpeculationConfig(), ngram):
         engine = Engine(target, max_ctx=128, prefill_chunk=8, speculation=speculation)
-        assert engine.kv.keys.dtype == target.kv_dtype == torch.float32
+        assert engine.kv.keys.dtype == target.kv_dtype == expected
         generation = engine.start(prompt, SamplingParams(), max_tokens=24)
         outputs.append(generation.run())
     assert outputs[0] == outputs[1]
