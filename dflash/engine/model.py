@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from dflash.engine.kv import KVCache
 from dflash.engine.native import extension as native_extension
+from dflash.engine.native import extension as native_kernels  # the kernels; native_extension: the decode loop
 from dflash.engine.native import layer_arguments as native_layer_arguments
 from dflash.engine.cpu import cpu_kind
 
@@ -224,6 +225,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        # The native decode loop's kernel wherever it runs, so prefill rows (here) equal decode rows
+        # (there); torch's where gradients flow (drafter training) or without the extension.
+        native = native_kernels()
+        if (native is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and x.dtype in (torch.float32, torch.bfloat16) and not (torch.is_grad_enabled() and x.requires_grad)):
+            return native.rms_norm(x, self.weight, self.eps)
         # Normalize in fp32 like the reference implementations, so bf16 matches transformers.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)

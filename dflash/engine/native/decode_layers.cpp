@@ -6,6 +6,7 @@
 // bit-identical to the Python path (tests/model/test_native.py) and only the overhead goes.
 #include <torch/extension.h>
 
+#include <cmath>
 #include <vector>
 
 // quantized_linear.cpp
@@ -45,9 +46,40 @@ struct Linear {
   }
 };
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {  // model.RMSNorm
-  auto normed = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, eps);
-  return weight * normed.to(x.scalar_type());
+// model.RMSNorm over the last dimension, row by row in one fixed order (so a row's result does not
+// depend on the other rows): normed = dtype(x * 1/sqrt(mean(x^2) + eps)) in fp32, out = dtype(weight * normed).
+// torch's rms_norm costs ~30 us per call here (it runs as a chain of ops), a decode step makes 61.
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t C, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = x + r * C;
+    float partial[8] = {};
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+      for (int i = 0; i < 8; ++i) partial[i] += float(in[c + i]) * float(in[c + i]);
+    }
+    for (; c < C; ++c) partial[c % 8] += float(in[c]) * float(in[c]);
+    float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+    const float inverse = 1.0f / std::sqrt(sum / float(C) + eps);
+    T* o = out + r * C;
+    for (c = 0; c < C; ++c) o[c] = T(float(weight[c]) * float(T(float(in[c]) * inverse)));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && x.size(-1) == weight.numel(),
+              "rms_norm: x ", x.sizes(), " ", x.scalar_type(), " and weight ", weight.sizes(), " ", weight.scalar_type());
+  auto input = x.contiguous(), w = weight.contiguous();
+  auto out = at::empty_like(input);
+  const int64_t C = input.size(-1), rows = input.numel() / C;
+  if (input.scalar_type() == at::kBFloat16) {
+    rms_norm_rows(input.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, C, float(eps));
+  } else if (input.scalar_type() == at::kFloat) {
+    rms_norm_rows(input.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), rows, C, float(eps));
+  } else {
+    TORCH_CHECK(false, "rms_norm: unsupported dtype ", input.scalar_type());
+  }
+  return out;
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {  // model.apply_rope
@@ -126,6 +158,7 @@ std::vector<at::Tensor> decode_layers(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
+  m.def("rms_norm", &rms_norm, "model.RMSNorm, row by row (bf16 or fp32)", arg("x"), arg("weight"), arg("eps"));
   m.def("vnni_available", &vnni_available, "whether this CPU can run quantized_linear.cpp's kernels");
   m.def("amx_available", &amx_available, "whether they use AMX tiles for 5 rows or more here");
   m.def("int4_matmul", &int4_matmul, "x [M, K] bf16 . int4 weights (quant.py's layout) -> [M, N] bf16",
