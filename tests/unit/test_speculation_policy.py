@@ -71,3 +71,23 @@ def test_a_failing_drafter_does_not_pause_one_that_pays():
         accepted = len(draft) if chosen is good else 0
         policy.record(chosen, len(draft), accepted, 0.015 if chosen is good else 0.040)
     assert len(bad.asked) <= 4 and len(good.asked) >= 30
+
+
+def test_the_drafter_measured_fastest_proposes_first():
+    class Named(ScriptedDrafter):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+    slow, fast = Named("dflash"), Named("ngram")
+    policy = SpeculationPolicy(SpeculationConfig(drafter="auto", max_draft_tokens=4),
+                               {"dflash": slow, "ngram": fast})  # dflash preferred while unmeasured
+    policy.record_plain(0.010)
+    chosen = []
+    for _ in range(30):
+        drafter, draft = policy.choose([1, 2, 3])
+        chosen.append(drafter.name)
+        # both pay (faster than a 10 ms plain step), the n-gram drafter twice as much
+        policy.record(drafter, len(draft), len(draft), 0.012 if drafter is fast else 0.024)
+    assert chosen[:2] == ["dflash", "ngram"]  # each measured once, in preference order
+    assert set(chosen[2:]) == {"ngram"}
