@@ -6,7 +6,9 @@ For each thread count (`--threads`, default 1,2) one table row per runner:
   plain greedy decode and, with `--ngram` (default on), greedy decode with the n-gram drafter;
 - transformers (bf16, the dequantized folder our loader makes from the GGUF, as bench/decode.py);
 - llama.cpp (llama-cpp-python) on the SAME GGUF file the embedded model is read from (Q4_1 layers,
-  Q8_0 tied embedding), in a subprocess with its own cached interpreter.
+  Q8_0 tied embedding), in a subprocess with its own cached interpreter and our environment
+  (OMP_WAIT_POLICY=PASSIVE like ours; llama.cpp's ggml uses OpenMP too), llama-cpp-python's
+  defaults otherwise (n_batch 512, flash attention off: `--llama-flash-attn` turns it on).
 
 Every runner gets the same token ids (our tokenizer, chat template applied): decode is `--tokens`
 greedy tokens after the short prompt (end-of-sequence ignored), prefill is one forward over a ~2K-token
@@ -327,7 +329,8 @@ def main() -> None:
               f"{versus} |")
     for threads, r in llama.items():
         agreement = ", ".join(f"{w} {same_prefix(r['output'], out)}" for (t, w), out in outputs.items() if t == threads)
-        print(f"greedy tokens equal to llama.cpp's before the first difference ({threads} thread(s)): {agreement}")
+        if agreement:
+            print(f"greedy tokens equal to llama.cpp's before the first difference ({threads} thread(s)): {agreement}")
 
 
 if __name__ == "__main__":
