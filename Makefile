@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Small matmuls on 2 cores collapse when idle OpenMP threads spin.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install serve test bench
+.PHONY: install serve test bench bench-peers
 
 NATIVE := dflash/engine/native/build/.built
 
@@ -38,3 +38,11 @@ test: install
 
 bench: install
 	$(VENV)/bin/python bench/decode.py
+
+# Optional, not part of `make test`: our engine vs transformers vs llama.cpp on the same GGUF
+# (bench/peers.py). The first run builds llama-cpp-python from source, niced, into
+# ~/.cache/dflash-bench-peers/ (never into .venv; ~15 min on 2 cores, once per machine).
+PEERS_ARGS ?= --threads 1,2
+bench-peers: install
+	nice -n 10 $(VENV)/bin/python bench/peers.py --build-llama-cpp
+	$(VENV)/bin/python bench/peers.py $(PEERS_ARGS)
