@@ -312,7 +312,8 @@ AVX2_TARGET void int4_avx2(const QuantizedRows& x, int64_t m0, const uint8_t* co
 }
 
 // int8 codes (q + 128, 0..255) as 16 * high nibble + low nibble: the int32 is VNNI's sum over
-// (q + 128) * q_x exactly, and int8_group takes the 128 * sum q_x back the same way.
+// (q + 128) * q_x exactly, and int8_group takes the 128 * sum q_x back the same way. Splitting the
+// codes costs 3 instructions per 32 bytes, shared by the rows: used for passes of 4 rows.
 template <int Rows>
 AVX2_TARGET void int8_avx2(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const float* scales,
                            at::BFloat16* y, int64_t N, int64_t block, int half) {
@@ -334,6 +335,39 @@ AVX2_TARGET void int8_avx2(const QuantizedRows& x, int64_t m0, const uint8_t* co
     }
     UNROLLED for (int r = 0; r < Rows; ++r) {
       __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(high_sums[r], sixteen), _mm256_madd_epi16(low_sums[r], ones));
+      totals[r] = int8_group_avx2(totals[r], dot, x, m0 + r, g);
+    }
+  }
+  const __m256 scale = _mm256_loadu_ps(scales + block * kChannels + 8 * half);
+  UNROLLED for (int r = 0; r < Rows; ++r)
+    store_bf16_avx2(y + (m0 + r) * N + block * kChannels + 8 * half, _mm256_mul_ps(totals[r], scale));
+}
+
+// int8 codes as signed q (codes ^ 0x80) and llama.cpp's sign trick: |q_x| (u8) x sign(q, q_x)
+// (s8) is q q_x, a pair at most 2 * 128 * 127 in magnitude (no saturation), summed to int32 per
+// quad; 128 * sum q_x added back gives VNNI's sum over (q + 128) q_x exactly. One more instruction
+// per row and quad than the nibble split but less shared work: 5-15% faster for passes of 1 or 2
+// rows, 5% slower for 4 (measured).
+template <int Rows>
+AVX2_TARGET void int8_avx2_sign(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const float* scales,
+                                at::BFloat16* y, int64_t N, int64_t block, int half) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 totals[Rows];
+  UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* packed = codes + (block * x.groups + g) * 512 + 32 * half;
+    __m256i sums[Rows];
+    UNROLLED for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 64 * t)), flip);
+      UNROLLED for (int r = 0; r < Rows; ++r) {
+        __m256i q_x = quad_avx2(x.row(m0 + r, g) + 4 * t);
+        __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q_x), _mm256_sign_epi8(q, q_x));
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    UNROLLED for (int r = 0; r < Rows; ++r) {
+      __m256i dot = _mm256_add_epi32(sums[r], _mm256_set1_epi32(128 * x.total[(m0 + r) * x.groups + g]));
       totals[r] = int8_group_avx2(totals[r], dot, x, m0 + r, g);
     }
   }
@@ -523,7 +557,10 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const 
           if (isa == Isa::kVnni) {
             int8_vnni<kRows>(rows, m0, packed, channel_scales, out, N, block);
           } else {
-            for (int half = 0; half < 2; ++half) int8_avx2<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
+            for (int half = 0; half < 2; ++half) {  // measured: the sign trick is faster for 1-2 rows
+              if constexpr (kRows < 4) int8_avx2_sign<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
+              else int8_avx2<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
+            }
           }
         });
       }
