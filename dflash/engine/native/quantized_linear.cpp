@@ -5,12 +5,14 @@
 // verification rows or a prefill chunk pay per row. Here x is quantized to int8 per row and group
 // of 32 inputs (x ~ x_scale * q_x, the way llama.cpp quantizes activations) and each group's
 // dot product is an exact int32 sum: AVX512-VNNI's vpdpbusd for few rows, AMX's tdpbsud (a
-// 16-row tile at once) for many rows where the CPU has AMX.
+// 16-row tile at once) for many rows where the CPU has AMX, and on CPUs without AVX512-VNNI AVX2's
+// vpmaddubsw/vpmaddwd (8 channels at a time, no AVX512 instruction; see "AVX2" below). Chosen per
+// call (choose_isa); DFLASH_INT8DOT_ISA=avx2 forces AVX2 here too, for tests and benches.
 //
 // Row invariance (see model.py) holds by construction: integer sums are exact whichever
 // instruction and blocking computed them, and the float epilogue that applies the scales is one
 // fixed sequence per row and group. So a verified row equals a decoded row bit for bit, prefill rows
-// equal them too, and the two kernels agree exactly (tests/model/test_weight_formats.py).
+// equal them too, and the three kernels agree exactly (tests/model/test_quantized_kernels.py).
 //
 // Layouts (made by quant.py), per block of 16 output channels and group g of 32 inputs, in 4-byte
 // quads: quad t, byte 4j+i holds the code of channel n0+j, input k0+4t+i (AMX's B-tile layout too):
