@@ -6,12 +6,13 @@ Decoding reads every weight once per token, so on these CPUs a decode step is bo
 LM head stays int8) about a third.
 Two kernel sets, chosen at load by what the CPU has (`kernels()`, in the start-up log):
 - "int8-dot": ours (native/quantized_linear.cpp), where the native extension is built and the CPU
-  has AVX512-VNNI. Activations are quantized to int8 per row and group of 32 (as llama.cpp does),
-  each group's dot product is an exact int32 sum (VNNI for up to 4 rows, AMX tiles for more where
-  the CPU has them), and the scales are applied in one fixed order per row. The weights are kept
-  in its layout (`pack_int4`, `pack_int8`).
+  has AVX2 (and FMA). Activations are quantized to int8 per row and group of 32 (as llama.cpp
+  does), each group's dot product is an exact int32 sum (AVX512-VNNI for up to 4 rows and AMX
+  tiles for more where the CPU has them, else AVX2), and the scales are applied in one fixed order
+  per row, so every instruction set gives the same bits. The weights are kept in its layout
+  (`pack_int4`, `pack_int8`).
 - "torch": torch's own (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), everywhere else
-  (AVX2-only CPUs, no compiler); bf16 activations (they run scalar loops on fp32 ones), row by row.
+  (no compiler, no AVX2); bf16 activations (they run scalar loops on fp32 ones), row by row.
 Both compute each output row the same way whatever the number of rows
 (tests/model/test_weight_formats.py runs both). Every row — decode, verification and prefill — goes
 through the same kernel set, so a verified row gets exactly the logits a decoded row gets (greedy
@@ -53,21 +54,22 @@ KERNEL_SETS = ("int8-dot", "torch")
 
 def kernels() -> str:
     """The quantized kernels this process uses (the start-up log says which): ours where the
-    native extension is built and the CPU has AVX512-VNNI, else torch's. `DFLASH_KERNELS=torch`
-    forces torch's (the tests run both)."""
+    native extension is built and the CPU has AVX2, else torch's. `DFLASH_KERNELS=torch` forces
+    torch's, `DFLASH_INT8DOT_ISA=avx2` ours on AVX2 only (the tests run all three)."""
     native = native_extension()
-    if os.environ.get("DFLASH_KERNELS") == "torch" or native is None or not native.vnni_available():
+    if os.environ.get("DFLASH_KERNELS") == "torch" or native is None or not native.int8dot_available():
         return "torch"
     return "int8-dot"
 
 
 def kernels_description() -> str:
-    """For the start-up log: which kernels, and whether ours use AMX tiles for 5 rows or more."""
+    """For the start-up log: which kernels, and which instructions ours use for few and many rows."""
     name = kernels()
     if name == "torch":
         return name
-    amx = native_extension().amx_available() and os.environ.get("DFLASH_AMX") != "0"
-    return f"{name} (VNNI{' + AMX for 5+ rows' if amx else ''})"
+    few, many = native_extension().int8dot_isa(1), native_extension().int8dot_isa(16)
+    names = {"avx512-vnni": "VNNI", "amx": "AMX", "avx2": "AVX2"}
+    return f"{name} ({names[few]}{f' + {names[many]} for 5+ rows' if many != few else ''})"
 
 
 def kernels_for(weight: Tensor) -> str:

@@ -1,9 +1,10 @@
 """Weight-only int8 and int4: the kernels give each row the same result whatever the number of rows
 (so verification sees decode's logits), the values round-trip, and greedy speculation on a quantized
-model reproduces plain greedy decoding of the same format token for token. Every test runs on both
+model reproduces plain greedy decoding of the same format token for token. Every test runs on the
 kernel sets we ship (quant.kernels): ours (int8 dot products: VNNI for up to 4 rows, AMX tiles for
-more where the CPU has them, so the row-count test also proves the two agree bit for bit) and
-torch's."""
+more where the CPU has them, so the row-count test also proves the two agree bit for bit), ours
+with the AVX2 kernels forced (what AVX2-only CPUs run; test_quantized_kernels.py compares them
+with the others bit for bit), and torch's."""
 
 import pytest
 import torch
@@ -18,13 +19,18 @@ from tests.model.tiny import ours_from_hf, tiny_hf_model
 KINDS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
-@pytest.fixture(autouse=True, params=["int8-dot", "torch"])
+@pytest.fixture(autouse=True, params=["int8-dot", "int8-dot-avx2", "torch"])
 def kernel_set(request, monkeypatch):
-    if request.param == "int8-dot" and (extension() is None or not extension().vnni_available()):
-        pytest.skip("our kernels need the native extension and AVX512-VNNI")
-    monkeypatch.setenv("DFLASH_KERNELS", request.param)
-    assert kernels() == request.param
-    return request.param
+    """"int8-dot-avx2": ours with the AVX2 kernels forced (what AVX2-only CPUs run)."""
+    name = request.param.removesuffix("-avx2")
+    if name == "int8-dot" and (extension() is None or not extension().int8dot_available()):
+        pytest.skip("our kernels need the native extension and AVX2")
+    if request.param.endswith("-avx2"):
+        monkeypatch.setenv("DFLASH_INT8DOT_ISA", "avx2")
+        assert extension().int8dot_isa(1) == extension().int8dot_isa(16) == "avx2"
+    monkeypatch.setenv("DFLASH_KERNELS", name)
+    assert kernels() == name
+    return name
 
 
 @pytest.mark.parametrize("kind", KINDS)

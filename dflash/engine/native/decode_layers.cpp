@@ -7,11 +7,14 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 // quantized_linear.cpp
 bool vnni_available();
 bool amx_available();
+bool int8dot_available();
+std::string int8dot_isa(int64_t rows);
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
@@ -159,7 +162,9 @@ std::vector<at::Tensor> decode_layers(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
   m.def("rms_norm", &rms_norm, "model.RMSNorm, row by row (bf16 or fp32)", arg("x"), arg("weight"), arg("eps"));
-  m.def("vnni_available", &vnni_available, "whether this CPU can run quantized_linear.cpp's kernels");
+  m.def("vnni_available", &vnni_available, "whether this CPU has AVX512-VNNI for quantized_linear.cpp's kernels");
+  m.def("int8dot_available", &int8dot_available, "whether this CPU can run quantized_linear.cpp's kernels (AVX2)");
+  m.def("int8dot_isa", &int8dot_isa, "which instructions they use for a call with `rows` rows", arg("rows"));
   m.def("amx_available", &amx_available, "whether they use AMX tiles for 5 rows or more here");
   m.def("int4_matmul", &int4_matmul, "x [M, K] bf16 . int4 weights (quant.py's layout) -> [M, N] bf16",
         arg("x"), arg("codes"), arg("scales"));

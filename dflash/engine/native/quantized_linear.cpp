@@ -5,12 +5,14 @@
 // verification rows or a prefill chunk pay per row. Here x is quantized to int8 per row and group
 // of 32 inputs (x ~ x_scale * q_x, the way llama.cpp quantizes activations) and each group's
 // dot product is an exact int32 sum: AVX512-VNNI's vpdpbusd for few rows, AMX's tdpbsud (a
-// 16-row tile at once) for many rows where the CPU has AMX.
+// 16-row tile at once) for many rows where the CPU has AMX, and on CPUs without AVX512-VNNI AVX2's
+// vpmaddubsw/vpmaddwd (8 channels at a time, no AVX512 instruction; see "AVX2" below). Chosen per
+// call (choose_isa); DFLASH_INT8DOT_ISA=avx2 forces AVX2 here too, for tests and benches.
 //
 // Row invariance (see model.py) holds by construction: integer sums are exact whichever
 // instruction and blocking computed them, and the float epilogue that applies the scales is one
 // fixed sequence per row and group. So a verified row equals a decoded row bit for bit, prefill rows
-// equal them too, and the two kernels agree exactly (tests/model/test_weight_formats.py).
+// equal them too, and the three kernels agree exactly (tests/model/test_quantized_kernels.py).
 //
 // Layouts (made by quant.py), per block of 16 output channels and group g of 32 inputs, in 4-byte
 // quads: quad t, byte 4j+i holds the code of channel n0+j, input k0+4t+i (AMX's B-tile layout too):
@@ -39,6 +41,12 @@ constexpr int64_t kAmxFromRows = 5;  // fewer rows run on VNNI (measured: faster
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#define AVX2_TARGET __attribute__((target("avx2,fma")))  // no AVX512 instruction may appear under it
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -179,13 +187,195 @@ VNNI_TARGET void int8_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
 
 // Rows in passes of up to 4 (a group's weights are loaded once per pass).
 template <typename Kernel>
-void vnni_rows(int64_t M, Kernel kernel) {
+void row_passes(int64_t M, Kernel kernel) {
   for (int64_t m0 = 0; m0 < M;) {
     const int64_t left = M - m0;
     if (left >= 4) { kernel(std::integral_constant<int, 4>{}, m0); m0 += 4; }
     else if (left >= 2) { kernel(std::integral_constant<int, 2>{}, m0); m0 += 2; }
     else { kernel(std::integral_constant<int, 1>{}, m0); m0 += 1; }
   }
+}
+
+// ----- AVX2 (CPUs without AVX512-VNNI): the same int32 sums and the same epilogue on 8 lanes -----
+//
+// Every step above is lane-wise per output channel, so a block of 16 channels runs as two halves of
+// 8 with the same fp32 operations in the same order (fma where fma, mul where mul); the integer
+// sums come from vpmaddubsw (u8 codes x s8 activations, pairs summed into int16) and vpmaddwd.
+// Codes are split into nibbles 0..15, so a pair is at most 2 * 15 * 128 = 3840 in magnitude and
+// 8 of them (one group) still fit an int16 exactly: no saturation anywhere, the sums are exact.
+
+// gcc -O2 keeps short loops over rows as loops, with the accumulators in memory: unroll them.
+#define UNROLLED _Pragma("GCC unroll 8")
+
+AVX2_TARGET inline __m256 bf16_to_fp32_avx2(const void* eight_bf16) {
+  auto wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(eight_bf16)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+AVX2_TARGET inline void store_bf16_avx2(at::BFloat16* out, __m256 values) {  // 8 values, as store_bf16
+  __m256i bits = _mm256_castps_si256(values);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  // packus: [0-3, 0-3 | 4-7, 4-7] as 16-bit (values are 0..0xFFFF: no saturation); keep qwords 0 and 2
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+AVX2_TARGET inline float max_of(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+AVX2_TARGET inline int32_t sum_of(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// quantize_rows on AVX2: the same amax, the same 127 / amax multiply, the same rounding (to
+// nearest even), saturation and sums, so the same codes and scales.
+AVX2_TARGET QuantizedRows quantize_rows_avx2(const at::BFloat16* x, int64_t M, int64_t K) {
+  const int64_t groups = K / kGroup;
+  QuantizedRows out{K, groups, std::vector<int8_t>(M * K), std::vector<float>(M * groups),
+                    std::vector<int32_t>(M * groups)};
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const auto* p = x + m * K + g * kGroup;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = bf16_to_fp32_avx2(p + 8 * i);
+      float amax = max_of(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                        _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude))));
+      __m256 inverse = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+      // packs: dwords of bytes come out as inputs [0-3, 8-11, 16-19, 24-27, 4-7, 12-15, 20-23, 28-31]
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + m * K + g * kGroup),
+                          _mm256_permutevar8x32_epi32(bytes, in_order));
+      out.scale[m * groups + g] = amax / 127.0f;
+      out.total[m * groups + g] = sum_of(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    }
+  }
+  return out;
+}
+
+AVX2_TARGET inline __m256 int4_group_avx2(__m256 total, __m256i dot, __m256 scale, __m256 offset,
+                                          const QuantizedRows& x, int64_t m, int64_t g) {  // int4_group
+  const int64_t at = m * x.groups + g;
+  __m256 group = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, _mm256_mul_ps(offset, _mm256_set1_ps(float(x.total[at]))));
+  return _mm256_fmadd_ps(group, _mm256_set1_ps(x.scale[at]), total);
+}
+
+AVX2_TARGET inline __m256 int8_group_avx2(__m256 total, __m256i dot_of_offset_codes, const QuantizedRows& x,
+                                          int64_t m, int64_t g) {  // int8_group
+  const int64_t at = m * x.groups + g;
+  __m256i dot = _mm256_sub_epi32(dot_of_offset_codes, _mm256_set1_epi32(128 * x.total[at]));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(x.scale[at]), total);
+}
+
+AVX2_TARGET inline __m256i quad_avx2(const int8_t* q) {  // 4 int8 broadcast to every lane
+  int32_t bits;
+  std::memcpy(&bits, q, 4);
+  return _mm256_set1_epi32(bits);
+}
+
+// One half (channels 8 half .. 8 half + 7) of a block over rows [m0, m0 + Rows). A 64-byte chunk
+// of codes holds the 16 channels; its bytes 32 half .. 32 half + 31 are this half's.
+template <int Rows>
+AVX2_TARGET void int4_avx2(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const at::BFloat16* scales,
+                           at::BFloat16* y, int64_t N, int64_t block, int half) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 totals[Rows];
+  UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const int64_t tile = block * x.groups + g;
+    const uint8_t* packed = codes + tile * 256 + 32 * half;
+    __m256i sums[Rows];  // int16 pairs: at most 8 * 3840 in magnitude
+    UNROLLED for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // chunk c: quad 2c in the low nibbles, 2c + 1 in the high ones
+      __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 64 * c));
+      __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      UNROLLED for (int r = 0; r < Rows; ++r) {
+        const int8_t* q = x.row(m0 + r, g) + 8 * c;
+        sums[r] = _mm256_add_epi16(sums[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, quad_avx2(q)),
+                                                             _mm256_maddubs_epi16(high, quad_avx2(q + 4))));
+      }
+    }
+    const at::BFloat16* group_scales = scales + tile * 32 + 8 * half;
+    __m256 scale = bf16_to_fp32_avx2(group_scales);
+    __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), scale, bf16_to_fp32_avx2(group_scales + 16));
+    UNROLLED for (int r = 0; r < Rows; ++r)
+      totals[r] = int4_group_avx2(totals[r], _mm256_madd_epi16(sums[r], ones), scale, offset, x, m0 + r, g);
+  }
+  UNROLLED for (int r = 0; r < Rows; ++r) store_bf16_avx2(y + (m0 + r) * N + block * kChannels + 8 * half, totals[r]);
+}
+
+// int8 codes (q + 128, 0..255) as 16 * high nibble + low nibble: the int32 is VNNI's sum over
+// (q + 128) * q_x exactly, and int8_group takes the 128 * sum q_x back the same way. Splitting the
+// codes costs 3 instructions per 32 bytes, shared by the rows: used for passes of 4 rows.
+template <int Rows>
+AVX2_TARGET void int8_avx2(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const float* scales,
+                           at::BFloat16* y, int64_t N, int64_t block, int half) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  __m256 totals[Rows];
+  UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* packed = codes + (block * x.groups + g) * 512 + 32 * half;
+    __m256i low_sums[Rows], high_sums[Rows];
+    UNROLLED for (int r = 0; r < Rows; ++r) low_sums[r] = high_sums[r] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 64 * t));
+      __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      UNROLLED for (int r = 0; r < Rows; ++r) {
+        __m256i q = quad_avx2(x.row(m0 + r, g) + 4 * t);
+        low_sums[r] = _mm256_add_epi16(low_sums[r], _mm256_maddubs_epi16(low, q));
+        high_sums[r] = _mm256_add_epi16(high_sums[r], _mm256_maddubs_epi16(high, q));
+      }
+    }
+    UNROLLED for (int r = 0; r < Rows; ++r) {
+      __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(high_sums[r], sixteen), _mm256_madd_epi16(low_sums[r], ones));
+      totals[r] = int8_group_avx2(totals[r], dot, x, m0 + r, g);
+    }
+  }
+  const __m256 scale = _mm256_loadu_ps(scales + block * kChannels + 8 * half);
+  UNROLLED for (int r = 0; r < Rows; ++r)
+    store_bf16_avx2(y + (m0 + r) * N + block * kChannels + 8 * half, _mm256_mul_ps(totals[r], scale));
+}
+
+// int8 codes as signed q (codes ^ 0x80) and llama.cpp's sign trick: |q_x| (u8) x sign(q, q_x)
+// (s8) is q q_x, a pair at most 2 * 128 * 127 in magnitude (no saturation), summed to int32 per
+// quad; 128 * sum q_x added back gives VNNI's sum over (q + 128) q_x exactly. One more instruction
+// per row and quad than the nibble split but less shared work: 5-15% faster for passes of 1 or 2
+// rows, 5% slower for 4 (measured).
+template <int Rows>
+AVX2_TARGET void int8_avx2_sign(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const float* scales,
+                                at::BFloat16* y, int64_t N, int64_t block, int half) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 totals[Rows];
+  UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* packed = codes + (block * x.groups + g) * 512 + 32 * half;
+    __m256i sums[Rows];
+    UNROLLED for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 64 * t)), flip);
+      UNROLLED for (int r = 0; r < Rows; ++r) {
+        __m256i q_x = quad_avx2(x.row(m0 + r, g) + 4 * t);
+        __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q_x), _mm256_sign_epi8(q, q_x));
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    UNROLLED for (int r = 0; r < Rows; ++r) {
+      __m256i dot = _mm256_add_epi32(sums[r], _mm256_set1_epi32(128 * x.total[(m0 + r) * x.groups + g]));
+      totals[r] = int8_group_avx2(totals[r], dot, x, m0 + r, g);
+    }
+  }
+  const __m256 scale = _mm256_loadu_ps(scales + block * kChannels + 8 * half);
+  UNROLLED for (int r = 0; r < Rows; ++r)
+    store_bf16_avx2(y + (m0 + r) * N + block * kChannels + 8 * half, _mm256_mul_ps(totals[r], scale));
 }
 
 // ----- AMX: 16 rows x 16 channels per tile, tdpbsud (signed x, unsigned codes) per group -----
@@ -323,7 +513,9 @@ void amx_matmul(const QuantizedRows& x, int64_t M, const uint8_t* codes, const v
   });
 }
 
-bool use_amx(int64_t M);
+enum class Isa { kAvx2, kVnni, kAmx };
+
+Isa choose_isa(int64_t M);
 
 void check_arguments(const at::Tensor& x, const at::Tensor& codes, int64_t bytes_per_group, const char* name) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) * codes.size(3) == bytes_per_group && codes.is_contiguous(), name,
@@ -336,13 +528,14 @@ void check_arguments(const at::Tensor& x, const at::Tensor& codes, int64_t bytes
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool int4) {
   const int64_t N = codes.size(0) * kChannels, K = codes.size(1) * kGroup, M = x.size(0);
   auto input = x.contiguous();
-  const bool amx = use_amx(M);
-  const int64_t padded = amx ? (M + kTileRows - 1) / kTileRows * kTileRows : M;
-  const QuantizedRows rows = quantize_rows(input.data_ptr<at::BFloat16>(), M, padded, K);
+  const Isa isa = choose_isa(M);
+  const int64_t padded = isa == Isa::kAmx ? (M + kTileRows - 1) / kTileRows * kTileRows : M;
+  const auto* values = input.data_ptr<at::BFloat16>();
+  const QuantizedRows rows = isa == Isa::kAvx2 ? quantize_rows_avx2(values, M, K) : quantize_rows(values, M, padded, K);
   auto y = at::empty({M, N}, x.options());
   auto* out = y.data_ptr<at::BFloat16>();
   const auto* packed = codes.data_ptr<uint8_t>();
-  if (amx) {
+  if (isa == Isa::kAmx) {
     if (int4) amx_matmul<true>(rows, M, packed, scales.data_ptr<at::BFloat16>(), out, N);
     else amx_matmul<false>(rows, M, packed, scales.data_ptr<float>(), out, N);
     return y;
@@ -351,13 +544,26 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const 
     for (int64_t block = begin; block < end; ++block) {
       if (int4) {
         const auto* group_scales = scales.data_ptr<at::BFloat16>();
-        vnni_rows(M, [&](auto rows_per_pass, int64_t m0) {
-          int4_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, group_scales, out, N, block);
+        row_passes(M, [&](auto rows_per_pass, int64_t m0) {
+          constexpr int kRows = decltype(rows_per_pass)::value;
+          if (isa == Isa::kVnni) {
+            int4_vnni<kRows>(rows, m0, packed, group_scales, out, N, block);
+          } else {
+            for (int half = 0; half < 2; ++half) int4_avx2<kRows>(rows, m0, packed, group_scales, out, N, block, half);
+          }
         });
       } else {
         const auto* channel_scales = scales.data_ptr<float>();
-        vnni_rows(M, [&](auto rows_per_pass, int64_t m0) {
-          int8_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, channel_scales, out, N, block);
+        row_passes(M, [&](auto rows_per_pass, int64_t m0) {
+          constexpr int kRows = decltype(rows_per_pass)::value;
+          if (isa == Isa::kVnni) {
+            int8_vnni<kRows>(rows, m0, packed, channel_scales, out, N, block);
+          } else {
+            for (int half = 0; half < 2; ++half) {  // measured: the sign trick is faster for 1-2 rows
+              if constexpr (kRows < 4) int8_avx2_sign<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
+              else int8_avx2<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
+            }
+          }
         });
       }
     }
@@ -372,6 +578,11 @@ bool vnni_available() {
   return available;
 }
 
+bool int8dot_available() {  // AVX2 and FMA: every AVX512-VNNI CPU has them too
+  static const bool available = cpu_has_avx2();
+  return available;
+}
+
 bool amx_available() {
   static const bool available = vnni_available() && cpu_has_amx_int8() && request_amx_permission();
   return available;
@@ -382,18 +593,39 @@ bool use_amx(int64_t M) {
   static const bool allowed = std::getenv("DFLASH_AMX") == nullptr || std::string(std::getenv("DFLASH_AMX")) != "0";
   return M >= kAmxFromRows && allowed && amx_available();
 }
+
+// Per call: AMX for 5+ rows where present, else AVX512-VNNI, else AVX2. DFLASH_INT8DOT_ISA=avx2
+// (or =vnni: no AMX) narrows the choice, read on every call so tests can compare all three in one
+// process; the results are the same bit for bit whichever runs.
+Isa choose_isa(int64_t M) {
+  const char* forced = std::getenv("DFLASH_INT8DOT_ISA");
+  const std::string wanted = forced == nullptr ? "" : forced;
+  if (wanted == "avx2" || !vnni_available()) return Isa::kAvx2;
+  if (wanted == "vnni") return Isa::kVnni;
+  return use_amx(M) ? Isa::kAmx : Isa::kVnni;
+}
 }  // namespace
+
+// What a call with `rows` rows runs on here: "amx", "avx512-vnni", "avx2" (or "none": no AVX2).
+std::string int8dot_isa(int64_t rows) {
+  if (!int8dot_available()) return "none";
+  switch (choose_isa(rows)) {
+    case Isa::kAmx: return "amx";
+    case Isa::kVnni: return "avx512-vnni";
+    default: return "avx2";
+  }
+}
 
 // x [M, K] bf16, codes [N/16, K/32, 4, 64] uint8, scales [N/16, K/32, 2, 16] bf16 -> [M, N] bf16.
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(vnni_available(), "int4_matmul: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(int8dot_available(), "int4_matmul: this CPU has no AVX2");
   check_arguments(x, codes, 256, "int4_matmul");
   return quantized_matmul(x, codes, scales, true);
 }
 
 // x [M, K] bf16, codes [N/16, K/32, 8, 64] uint8 (q + 128), scales [N] fp32 -> [M, N] bf16.
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(vnni_available(), "int8_matmul: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(int8dot_available(), "int8_matmul: this CPU has no AVX2");
   check_arguments(x, codes, 512, "int8_matmul");
   return quantized_matmul(x, codes, scales, false);
 }
