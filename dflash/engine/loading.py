@@ -6,6 +6,9 @@ the cache directory, keyed by the file's hash; every later load reads that folde
 
 from __future__ import annotations
 
+import ctypes
+import gc
+
 import hashlib
 import importlib.util
 import json
@@ -31,6 +34,7 @@ from dflash.engine.cpu import cpu_kind
 from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer, with_rope_scaling
 from dflash.engine.native import extension as native_extension
 from dflash.engine.quant import WEIGHT_FORMATS, auto_weights, dtype_for_weights, kernels_description, quantize_linears
+from dflash.engine.quant import kernels as quant_kernels
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 # DFlash drafters that ship with the package, for the embedded models (`dflash train-drafter`).
@@ -157,14 +161,34 @@ def load_model(
         compressor=prompt_compressor(compression, model, backend, cache, dtype, max_ctx),
         disk_cache=(
             DiskCache(disk_cache_dir, disk_cache_mib << 20,
-                      model_identity(folder, f"{dtype}/{weights}", max_ctx, model.args.rope_scaling, tokenizer,
-                                     draft_model),
+                      model_identity(folder, numerics(dtype, weights, model), max_ctx, model.args.rope_scaling,
+                                     tokenizer, draft_model),
                       model=model_id)
             if disk_cache_dir and backend == "native"
             else None
         ),
     )
+    release_freed_memory()
     return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend, weights)
+
+
+def numerics(dtype: str, weights: str, model) -> str:
+    """What decides the bits of a cached state besides the weights themselves: a disk snapshot is
+    served only to a server that would compute the same keys and values (the same dtype, weight
+    format, quantized kernels and KV dtype; ours give the same bits on AVX2, VNNI and AMX)."""
+    kernels = quant_kernels() if weights in ("int8", "int4") else "torch"
+    return f"{dtype}/{weights}/{kernels}/kv-{str(model.kv_dtype).removeprefix('torch.')}"
+
+
+def release_freed_memory() -> None:
+    """Hand the loading's freed scratch (the dequantized checkpoint, fp32 copies made while
+    quantizing: hundreds of MiB) back to the system; glibc keeps freed heap otherwise, and an idle
+    server would hold it for good."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def source_weight_bits(source: str, folder: Path) -> int | None:

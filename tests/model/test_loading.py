@@ -70,10 +70,10 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
 
 def test_dflash_chat_streams_the_embedded_models_greedy_reply():
     # "What is the capital of France?" alone is a near-tie for the first token ("The" 25.33 vs "L"
-    # 25.24 in fp32), so each weight format answered it differently; this wording is answered the
-    # same in fp32, bf16, int8 and int4.
-    result = subprocess.run([sys.executable, "-m", "dflash.cli", "chat",
-                             "What is the capital of France? Answer with one word.",
+    # 25.24 in fp32), so each weight format answered it differently, and "... Answer with one word."
+    # flipped with int4 on our int8-dot kernels; this wording is answered "The capital city of
+    # France is Paris." in fp32, bf16, int8 and int4, on both kernel sets.
+    result = subprocess.run([sys.executable, "-m", "dflash.cli", "chat", "Name the capital city of France.",
                              "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
