@@ -119,9 +119,11 @@ def filled_to(engine, filler: list[int], depth: int) -> None:
 
 
 def speed_at_contexts(source, dtype, kv_dtypes, contexts, tokens, threads):
-    """Rows (KV dtype, context, chunk prefill tok/s, decode tok/s) at each depth of context."""
+    """Rows (KV dtype, context, chunk prefill tok/s, decode tok/s) at each depth of context.
+    `dtype`: bfloat16 or float32, or a weight format (bf16, fp32, int8, int4)."""
     max_ctx = max(contexts) + CHUNK_TOKENS + tokens + 1
-    loaded = load_model(source, dtype=dtype, max_ctx=max_ctx, prefill_chunk=CHUNK_TOKENS, threads=threads)
+    weights = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+    loaded = load_model(source, weights=weights, max_ctx=max_ctx, prefill_chunk=CHUNK_TOKENS, threads=threads)
     engine = loaded.engine
     engine.eos_token_ids = frozenset()  # decode exactly `tokens` tokens
     text = loaded.tokenizer(Path(argparse.__file__).read_text())["input_ids"]
@@ -180,7 +182,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--weights", default="fp32,bf16,int8,int4", help="weight formats (auto, fp32, bf16, int8, int4)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers columns")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="with --contexts: model dtypes")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="with --contexts: model dtypes or weight formats (bfloat16, float32, int8, int4)")
     parser.add_argument("--contexts", default="", help="e.g. 1024,8192,16384,32768: speed at these depths instead")
     parser.add_argument("--kv-dtypes", default="auto", help="with --contexts: auto, float32, bfloat16")
     args = parser.parse_args()
