@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.engine.loading import ModelLoadError, load_model, resolve_source
+from dflash.engine.loading import ModelLoadError, load_model, numerics, resolve_source
+from dflash.engine.quant import kernels
 from dflash.engine.sampling import SamplingParams
-from tests.model.tiny import tiny_hf_model
+from tests.model.tiny import ours_from_hf, tiny_hf_model
 
 
 def write_hf_folder(folder, name="llama"):
@@ -77,3 +78,15 @@ def test_dflash_chat_streams_the_embedded_models_greedy_reply():
                              "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_disk_snapshots_are_keyed_by_what_decides_their_bits(monkeypatch):
+    """A disk snapshot computed with other kernels or another KV dtype would not equal what this
+    server computes, so the cache identity names both."""
+    model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
+    ours = numerics("bfloat16", "int4", model)
+    assert ours.endswith(f"/{kernels()}/kv-{str(model.kv_dtype).removeprefix('torch.')}")
+    monkeypatch.setenv("DFLASH_KERNELS", "torch")
+    forced = numerics("bfloat16", "int4", model)
+    assert forced.split("/")[2] == "torch" and (forced != ours or ours.split("/")[2] == "torch")
+    assert numerics("bfloat16", "bf16", model).split("/")[2] == "torch"  # no quantized kernels in bf16
