@@ -49,9 +49,6 @@ def auto_weights(dtype: str, source_bits: int | None) -> str:
     return "int4" if source_bits is not None and source_bits <= 4 else "int8"
 
 
-KERNEL_SETS = ("int8-dot", "torch")
-
-
 def kernels() -> str:
     """The quantized kernels this process uses (the start-up log says which): ours where the
     native extension is built and the CPU has AVX2, else torch's. `DFLASH_KERNELS=torch` forces
