@@ -133,34 +133,24 @@ class JobRecord:
     stats: contract.GenerationStats | None
 
 
-class Job:
-    """One request's generation, queued or running. Use as `with scheduler.submit(...) as job:`."""
+class JobStream:
+    """A job as its reply handler sees it: queued, started, its steps, its end. Use as
+    `with ... as job:` (leaving cancels it). Subclasses say what cancelling does (`_cancelled`):
+    a local job leaves the scheduler's queue, a remote one (dflash.cluster) stops its stream."""
 
-    def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                 request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
-                 grammar: str | None = None, conversation: str | None = None,
-                 protected: tuple[tuple[int, int], ...] = ()):
-        self.prompt_ids = prompt_ids
-        self.sampling = sampling
-        self.max_tokens = max_tokens
+    def __init__(self, request_id: str, conversation: str | None):
         self.request_id = request_id
-        self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
-        self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
-        self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
-        self.protected = protected  # prompt token spans that prompt compression must keep
         self.conversation = conversation  # the client's session id, when it sent one (a cluster routes by it)
         self.queued_at = trio.current_time()
         self.started_at: float | None = None
         self.cancelled_at: float | None = None
         self.cancel_reason: str | None = None
-        self.progress: contract.GenerationStats | None = None  # as of the last step taken
-        self._scheduler = scheduler
         self._started = trio.Event()
         self._failure: Exception | None = None
         self._ended = False
         self._send, self._receive = trio.open_memory_channel[JobStep | Exception](math.inf)
 
-    def __enter__(self) -> Job:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -182,7 +172,10 @@ class Job:
         if self.cancelled_at is None:
             self.cancelled_at = trio.current_time()
             self.cancel_reason = reason
-            self._scheduler._forget(self)
+            self._cancelled()
+
+    def _cancelled(self) -> None:
+        raise NotImplementedError
 
     async def wait_started(self) -> None:
         """Return once the engine has taken the job; raise if it never will (shutdown)."""
@@ -212,12 +205,34 @@ class Job:
         if not self._ended:
             self._failure = failure
             self._send.send_nowait(failure)
-        self._started.set()
         self._end()
 
     def _end(self) -> None:
         self._ended = True
+        self._started.set()  # nobody waits for a start that will not come
         self._send.close()
+
+
+class Job(JobStream):
+    """One request's generation in this process's scheduler, queued or running."""
+
+    def __init__(self, scheduler: Scheduler, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                 request_id: str, snapshot_at: tuple[int, ...] = (), top_logprobs: int | None = None,
+                 grammar: str | None = None, conversation: str | None = None,
+                 protected: tuple[tuple[int, int], ...] = ()):
+        super().__init__(request_id, conversation)
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.snapshot_at = snapshot_at  # message boundaries, where the engine keeps prefix-cache snapshots
+        self.top_logprobs = top_logprobs  # None: no logprobs; n: each token's and the n best alternatives
+        self.grammar = grammar  # an llguidance grammar the output must follow (checked by check_grammar)
+        self.protected = protected  # prompt token spans that prompt compression must keep
+        self.progress: contract.GenerationStats | None = None  # as of the last step taken
+        self._scheduler = scheduler
+
+    def _cancelled(self) -> None:
+        self._scheduler._forget(self)
 
 
 class Scheduler:

@@ -15,7 +15,6 @@ worker threads, one per stream read.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,7 @@ from dflash.engine import contract
 from dflash.engine.grammar import GrammarError
 from dflash.logs import get_logger
 from dflash.sampling_params import SamplingParams
-from dflash.scheduler import EngineFailed, JobRecord, JobStep, QueueFull, ShuttingDown, job_progress
+from dflash.scheduler import EngineFailed, JobRecord, JobStep, JobStream, QueueFull, ShuttingDown, job_progress
 
 log = get_logger("dflash.cluster.front")
 STATUS_TIMEOUT_S = 5.0  # a replica that cannot answer this fast is counted as down
@@ -36,89 +35,34 @@ STATUS_POLL_S = 2.0  # how fresh /metrics' cache gauges are
 CONTROL_THREADS = 16  # status calls, grammar checks and turn checkpoints waiting at once
 
 
-class RemoteJob:
-    """A job running on some replica; the interface of dflash.scheduler.Job that replies use."""
+class RemoteJob(JobStream):
+    """A job running on some replica, fed by the replica's stream (`_take`)."""
 
     def __init__(self, request: JobRequest):
+        super().__init__(request.request_id, request.conversation)
         self.request = request
-        self.request_id = request.request_id
-        self.conversation = request.conversation
-        self.queued_at = trio.current_time()
-        self.started_at: float | None = None
-        self.cancelled_at: float | None = None
-        self.cancel_reason: str | None = None
         self.replica: str | None = None  # where it waits and runs, once the replica has it
         self.last: JobStep | None = None
-        self._started = trio.Event()
-        self._failure: Exception | None = None
-        self._ended = False
         self._stream_scope = trio.CancelScope()
-        self._send, self._receive = trio.open_memory_channel[JobStep | Exception](math.inf)
 
-    def __enter__(self) -> RemoteJob:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.cancel()
-
-    @property
-    def cancelled(self) -> bool:
-        return self.cancelled_at is not None
-
-    @property
-    def queue_ms(self) -> float:
-        waited_until = self.started_at if self.started_at is not None else trio.current_time()
-        return (waited_until - self.queued_at) * 1000
-
-    def cancel(self, reason: str = "abandoned") -> None:
-        if self.cancelled_at is None:
-            self.cancelled_at = trio.current_time()
-            self.cancel_reason = reason
-            if self.last is None or self.last.finished is None:
-                # A finished job's stream is left to end by itself: its record is on the way.
-                self._stream_scope.cancel()
-
-    async def wait_started(self) -> None:
-        await self._started.wait()
-        if self.started_at is None and self._failure is not None:
-            raise self._failure
-
-    async def next_step(self) -> JobStep | None:
-        try:
-            item = await self._receive.receive()
-        except trio.EndOfChannel:
-            return None
-        if isinstance(item, Exception):
-            raise item
-        return item
+    def _cancelled(self) -> None:
+        if self.last is None or self.last.finished is None:
+            # A finished job's stream is left to end by itself: its record is on the way.
+            self._stream_scope.cancel()
 
     def _take(self, item: Any) -> None:
         """One item of the replica's stream."""
         if isinstance(item, Queued):
             self.replica = item.replica
         elif isinstance(item, Started):
-            self.started_at = trio.current_time()
-            self._started.set()
+            self._start()
         elif isinstance(item, JobStep):
             self.last = item
-            if not self._ended and not self.cancelled:
-                self._send.send_nowait(item)
+            self._deliver(item)
         elif isinstance(item, Refused):
             self._fail(ShuttingDown())
         elif isinstance(item, Exception):
             self._fail(item)
-
-    def _fail(self, failure: Exception) -> None:
-        if not self._ended:
-            self._failure = failure
-            self._send.send_nowait(failure)
-        self._started.set()
-        self._end()
-
-    def _end(self) -> None:
-        self._ended = True
-        self._started.set()
-        self._send.close()
 
     @property
     def phase(self) -> str:
