@@ -15,6 +15,12 @@ class ScriptedDrafter:
         return [1] * max_tokens
 
 
+class Named(ScriptedDrafter):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+
 def test_first_step_is_plain_to_measure_the_baseline():
     policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": ScriptedDrafter()})
     assert policy.choose([1, 2, 3]) == (None, [])
@@ -57,11 +63,6 @@ def test_without_adaptation_every_step_speculates():
 
 
 def test_a_failing_drafter_does_not_pause_one_that_pays():
-    class Named(ScriptedDrafter):
-        def __init__(self, name):
-            super().__init__()
-            self.name = name
-
     good, bad = Named("ngram"), Named("dflash")
     policy = SpeculationPolicy(SpeculationConfig(drafter="auto", max_draft_tokens=4),
                                {"dflash": bad, "ngram": good})
@@ -74,11 +75,6 @@ def test_a_failing_drafter_does_not_pause_one_that_pays():
 
 
 def test_the_drafter_measured_fastest_proposes_first():
-    class Named(ScriptedDrafter):
-        def __init__(self, name):
-            super().__init__()
-            self.name = name
-
     slow, fast = Named("dflash"), Named("ngram")
     policy = SpeculationPolicy(SpeculationConfig(drafter="auto", max_draft_tokens=4),
                                {"dflash": slow, "ngram": fast})  # dflash preferred while unmeasured
