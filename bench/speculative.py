@@ -6,6 +6,7 @@ decode tok/s, mean acceptance length τ and the ratio to plain decoding, and che
 output is identical to plain greedy decoding.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py [--draft DIR] [--weights auto]
+        [--prompts chat] [--rounds 3]   # modes interleaved over rounds, averaged
 
 Without --draft, DFlash runs a random-weight drafter (it shows the cost of drafting, not its gain).
 """
@@ -74,6 +75,9 @@ def main() -> None:
     parser.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every mode this many times, interleaved, and average (steadier on a shared VM)")
+    parser.add_argument("--prompts", default="code editing,chat,coding", help="which prompt sets")
     args = parser.parse_args()
     loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
     args.dtype = loaded.dtype
@@ -104,19 +108,21 @@ def main() -> None:
           f"draft={'random weights' if not args.draft else args.draft}")
     print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
     print("|---|---|---|---|---|---|")
-    for label, prompts in (("(a) code editing", CODE_EDITING), ("(b) chat", CHAT), ("(c) coding", CODING)):
+    sets = {"code editing": ("(a) code editing", CODE_EDITING), "chat": ("(b) chat", CHAT), "coding": ("(c) coding", CODING)}
+    for label, prompts in (sets[name] for name in args.prompts.split(",")):
         ids = [render_prompt(loaded.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+        results: dict[str, list] = {mode: [] for mode in modes}
+        for _ in range(args.rounds):  # modes interleaved: a shared machine's load changes over minutes
+            for mode, (config, mode_drafter) in modes.items():
+                engine.speculation, engine.dflash_drafter = config, mode_drafter
+                for prompt_ids in ids:
+                    engine.rollback(0)
+                    results[mode].append(run(engine, prompt_ids, args.tokens))
         baseline_rate, baseline_out = None, None
-        for mode, (config, mode_drafter) in modes.items():
-            engine.speculation, engine.dflash_drafter = config, mode_drafter
-            engine.rollback(0)
-            results = []
-            for prompt_ids in ids:
-                engine.rollback(0)
-                results.append(run(engine, prompt_ids, args.tokens))
-            outputs = [r[0] for r in results]
-            rate = statistics.mean(r[1] for r in results)
-            tau = statistics.mean(r[2] for r in results)
+        for mode, runs in results.items():
+            outputs = [r[0] for r in runs]
+            rate = statistics.mean(r[1] for r in runs)
+            tau = statistics.mean(r[2] for r in runs)
             if baseline_rate is None:
                 baseline_rate, baseline_out = rate, outputs
             same = "yes" if outputs == baseline_out else "NO"
