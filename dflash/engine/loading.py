@@ -31,7 +31,14 @@ from dflash.engine.pflash import AttentionScorer, CompressionSettings, PromptCom
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.speculative import SpeculationConfig
 from dflash.engine.cpu import cpu_kind
-from dflash.engine.model import SUPPORTED_ARCHITECTURES, ModelArgs, build_transformer, with_rope_scaling
+from dflash.engine.model import (
+    SUPPORTED_ARCHITECTURES,
+    ModelArgs,
+    attention_kernels,
+    attention_rows_invariant,
+    build_transformer,
+    with_rope_scaling,
+)
 from dflash.engine.native import extension as native_extension
 from dflash.engine.quant import WEIGHT_FORMATS, auto_weights, dtype_for_weights, kernels_description, quantize_linears
 from dflash.engine.quant import kernels as quant_kernels
@@ -118,7 +125,8 @@ def load_model(
                  decode_loop="native" if native_extension() is not None else "python",
                  kernels=kernels_description() if weights in ("int8", "int4") else "torch")
         log.info("context", max_ctx=max_ctx, trained_context=args.max_position_embeddings,
-                 rope_scaling=args.rope_scaling, kv_dtype=str(model.kv_dtype).removeprefix("torch."), cpu=cpu_kind())
+                 rope_scaling=args.rope_scaling, kv_dtype=str(model.kv_dtype).removeprefix("torch."),
+                 attention=attention_kernels(), cpu=cpu_kind())
     else:
         from dflash.engine.hf_backend import load_hf_model
 
@@ -134,6 +142,12 @@ def load_model(
         if max_ctx > model.args.max_position_embeddings:
             log.warning("context_past_trained_length", max_ctx=max_ctx, trained_context=model.args.max_position_embeddings,
                         note="the transformers backend applies only the RoPE scaling the model's config declares")
+    if backend == "native" and speculation.drafter != "none" and not attention_rows_invariant(model.dtype):
+        # Speculation promises the output of plain decoding; a verified row could differ from the
+        # decoded one in the last bits here (an AVX2 CPU without the native extension's attention).
+        log.warning("speculation_off", cpu=cpu_kind(), attention=attention_kernels(),
+                    reason="torch's attention is not row-invariant on this CPU; run `make install` to build ours")
+        speculation = attrs.evolve(speculation, drafter="none")
     drafter = None
     draft_model = resolve_draft_model(draft_model, source)
     if draft_model and speculation.drafter in ("auto", "dflash"):
@@ -175,9 +189,10 @@ def load_model(
 def numerics(dtype: str, weights: str, model) -> str:
     """What decides the bits of a cached state besides the weights themselves: a disk snapshot is
     served only to a server that would compute the same keys and values (the same dtype, weight
-    format, quantized kernels and KV dtype; ours give the same bits on AVX2, VNNI and AMX)."""
+    format, quantized kernels, attention kernel and KV dtype; ours give the same bits on AVX2, VNNI
+    and AMX)."""
     kernels = quant_kernels() if weights in ("int8", "int4") else "torch"
-    return f"{dtype}/{weights}/{kernels}/kv-{str(model.kv_dtype).removeprefix('torch.')}"
+    return f"{dtype}/{weights}/{kernels}/attention-{attention_kernels()}/kv-{str(model.kv_dtype).removeprefix('torch.')}"
 
 
 def release_freed_memory() -> None:

@@ -11,6 +11,7 @@ KV = key/value heads, D = head dim, C = hidden size.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import attrs
@@ -121,18 +122,40 @@ def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor:
 
 
 def kv_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Keys and values stay in the model's dtype, except a half-precision model on a CPU without
-    bf16 hardware: there they are fp32 (on AVX2 bf16 attention measured 4x slower).
+    """Keys and values stay in the model's dtype, except a half-precision model on a CPU where neither
+    bf16 hardware nor our attention kernel reads a bf16 cache fast: there they are fp32 (torch's bf16
+    attention on AVX2 measured 4x slower than its fp32 one).
 
-    Where the CPU has bf16 hardware they are bf16: half the memory (a 32K context of the embedded
-    model: 0.75 GB instead of 1.5; prefix snapshots alike) and prefill at 8K of context 1.7x faster
-    (README, Numbers). Rows stay invariant: attention runs over a key count that depends only on a
-    row's position (KEY_BUCKET), so the flash kernel's bf16 roundings do not depend on how a prompt
-    was chunked, and a prefix-cache hit continues exactly as a recomputation
-    (tests/model/test_weight_formats.py, test_long_context.py)."""
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not has_bf16_hardware():
+    Where they are bf16: half the memory (a 32K context of the embedded model: 0.75 GB instead of
+    1.5; prefix snapshots alike), prefill at 8K of context 1.7x faster with AMX, decode at 16K 1.4x
+    faster with ours on AVX2 (README, Numbers). Rows stay invariant (see attention_kernels), so a
+    prefix-cache hit continues exactly as a recomputation (tests/model/test_weight_formats.py,
+    test_long_context.py)."""
+    if (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not has_bf16_hardware()
+            and attention_kernels() != "ours"):
         return torch.float32
     return dtype
+
+
+def attention_kernels() -> str:
+    """Which causal attention the CPU runs: "ours" (native/causal_attention.cpp) or "torch" (its
+    flash kernel, over key counts padded to KEY_BUCKET). torch's computes a row the same way
+    whatever the other rows of the call only with bf16 hardware and a bf16 cache; on AVX2-only
+    CPUs it does not (fp32 or bf16), and ours, row-invariant by construction, runs instead.
+    `DFLASH_ATTENTION=ours|torch` forces one (tests and benches run both)."""
+    forced = os.environ.get("DFLASH_ATTENTION")
+    native = native_kernels()
+    available = native is not None and native.causal_attention_available()
+    if forced == "torch" or (forced != "ours" and has_bf16_hardware()) or not available:
+        return "torch"
+    return "ours"
+
+
+def attention_rows_invariant(dtype: torch.dtype) -> bool:
+    """Whether a row's attention is computed the same way whatever the other rows of its call (what
+    lossless speculation needs) for a model in `dtype` on this CPU: always with our kernel, with
+    torch's only on bf16 hardware and a half-precision cache."""
+    return attention_kernels() == "ours" or (has_bf16_hardware() and dtype in (torch.bfloat16, torch.float16))
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
@@ -293,6 +316,8 @@ class Attention(nn.Module):
         q = q.to(keys.dtype)
         if mask is not None:  # an explicit (tree) mask
             out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
+        elif attention_kernels() == "ours" and x.device.type == "cpu":
+            out = native_kernels().causal_attention(q, kv.keys[layer], kv.values[layer], start)
         else:
             if row_groups is None:  # a caller running layers itself
                 row_groups = attention_row_groups(start, T, kv.max_ctx, H // KV, keys.dtype, x.device)
@@ -450,18 +475,21 @@ class Transformer(nn.Module):
         sin = sin_table[start_position:end]
         x = self.embed(tokens)  # [T, C]
         row_groups = None
-        if attention_mask is None:
+        ours = attention_kernels() == "ours" and x.device.type == "cpu"
+        if attention_mask is None and not ours:
             row_groups = attention_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
                                               kv.keys.dtype, x.device)
         capture = set(capture_layers)
         # The native loop makes the same calls for decode and verification (few rows); prefill stays
         # in Python, where per-call overhead is spread over many rows.
-        native = native_extension() if row_groups is not None and T <= FEW_ROWS and x.device.type == "cpu" else None
+        causal = attention_mask is None
+        native = native_extension() if causal and T <= FEW_ROWS and x.device.type == "cpu" else None
         if native is not None:
             x, *captured = native.decode_layers(
                 x, cos, sin, kv.keys, kv.values, start_position, **self._native_layer_arguments(),
-                group_starts=[g.rows.start for g in row_groups], group_ends=[g.rows.stop for g in row_groups],
-                group_keys=[g.keys for g in row_groups], group_masks=[g.mask for g in row_groups],
+                group_starts=[g.rows.start for g in row_groups or ()], group_ends=[g.rows.stop for g in row_groups or ()],
+                group_keys=[g.keys for g in row_groups or ()], group_masks=[g.mask for g in row_groups or ()],
+                our_attention=ours,
                 num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim,
                 intermediate=self.args.intermediate_size, eps=self.args.rms_norm_eps, capture=sorted(capture))
         else:

@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.engine.loading import ModelLoadError, load_model, numerics, resolve_source
+from dflash.engine.model import attention_kernels
 from dflash.engine.quant import kernels
 from dflash.engine.sampling import SamplingParams
+from dflash.engine.speculative import SpeculationConfig
 from tests.model.tiny import ours_from_hf, tiny_hf_model
 
 
@@ -40,6 +42,20 @@ def test_hf_folder_loads_and_generates_like_transformers(tmp_path):
                                 pad_token_id=0)[0, 4:].tolist()
     loaded.engine.eos_token_ids = frozenset()
     assert loaded.engine.start(prompt, SamplingParams(), 6).run() == reference
+
+
+@pytest.mark.parametrize("attention, bf16_hardware, speculates", [
+    ("ours", False, True), ("torch", True, True), ("torch", False, False)])
+def test_speculation_runs_only_where_attention_rows_are_invariant(tmp_path, monkeypatch, attention, bf16_hardware, speculates):
+    """Without bf16 hardware torch's attention computes a verified row unlike a decoded one, so a
+    server left without our kernel there (no compiler) decodes plainly instead of speculating."""
+    import dflash.engine.model as model_module
+
+    write_hf_folder(tmp_path / "tiny")
+    monkeypatch.setattr(model_module, "has_bf16_hardware", lambda: bf16_hardware)
+    monkeypatch.setattr(model_module, "attention_kernels", lambda: attention)
+    loaded = load_model(str(tmp_path / "tiny"), dtype="bfloat16", max_ctx=64, speculation=SpeculationConfig(drafter="ngram"))
+    assert (loaded.engine.speculation.drafter == "ngram") == speculates
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
@@ -81,11 +97,15 @@ def test_dflash_chat_streams_the_embedded_models_greedy_reply():
 
 
 def test_disk_snapshots_are_keyed_by_what_decides_their_bits(monkeypatch):
-    """A disk snapshot computed with other kernels or another KV dtype would not equal what this
-    server computes, so the cache identity names both."""
+    """A disk snapshot computed with other kernels (matmul or attention) or another KV dtype would
+    not equal what this server computes, so the cache identity names all three."""
     model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
     ours = numerics("bfloat16", "int4", model)
-    assert ours.endswith(f"/{kernels()}/kv-{str(model.kv_dtype).removeprefix('torch.')}")
+    assert ours.endswith(f"/{kernels()}/attention-{attention_kernels()}/kv-{str(model.kv_dtype).removeprefix('torch.')}")
+    for attention in ("ours", "torch"):
+        monkeypatch.setenv("DFLASH_ATTENTION", attention)
+        assert f"/attention-{attention_kernels()}/" in numerics("bfloat16", "int4", model)
+    monkeypatch.delenv("DFLASH_ATTENTION")
     monkeypatch.setenv("DFLASH_KERNELS", "torch")
     forced = numerics("bfloat16", "int4", model)
     assert forced.split("/")[2] == "torch" and (forced != ours or ours.split("/")[2] == "torch")

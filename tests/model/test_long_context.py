@@ -9,6 +9,7 @@ from dflash.engine.cpu import kind_from_flags
 from dflash.engine.generate import Engine
 import dflash.engine.model as model_module
 from dflash.engine.model import ModelArgs, build_transformer, kv_dtype_for, with_rope_scaling
+from dflash.engine.native import extension as native_extension
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
 from tests.model.tiny import ours_from_hf, tiny_hf_model
@@ -68,23 +69,31 @@ def test_cpu_kind_from_flags(flags, kind):
     assert kind_from_flags(frozenset(flags)) == kind
 
 
-@pytest.mark.parametrize("dtype, device, bf16_hardware, expected", [
-    (torch.bfloat16, "cpu", False, torch.float32),
-    (torch.float16, "cpu", False, torch.float32),
-    (torch.bfloat16, "cpu", True, torch.bfloat16),
-    (torch.float32, "cpu", True, torch.float32),
-    (torch.float32, "cpu", False, torch.float32),
-    (torch.bfloat16, "cuda", False, torch.bfloat16),
+@pytest.mark.parametrize("dtype, device, bf16_hardware, attention, expected", [
+    (torch.bfloat16, "cpu", False, "torch", torch.float32),
+    (torch.float16, "cpu", False, "torch", torch.float32),
+    (torch.bfloat16, "cpu", False, "ours", torch.bfloat16),  # ours reads a bf16 cache fast on AVX2
+    (torch.bfloat16, "cpu", True, "torch", torch.bfloat16),
+    (torch.float32, "cpu", True, "torch", torch.float32),
+    (torch.float32, "cpu", False, "ours", torch.float32),
+    (torch.bfloat16, "cuda", False, "torch", torch.bfloat16),
 ])
-def test_kv_dtype_policy(dtype, device, bf16_hardware, expected, monkeypatch):
+def test_kv_dtype_policy(dtype, device, bf16_hardware, attention, expected, monkeypatch):
     monkeypatch.setattr(model_module, "has_bf16_hardware", lambda: bf16_hardware)
+    monkeypatch.setattr(model_module, "attention_kernels", lambda: attention)
     assert kv_dtype_for(dtype, torch.device(device)) == expected
 
 
-@pytest.mark.parametrize("bf16_hardware", [False, True])
-def test_a_bf16_model_keeps_its_kv_dtype_and_speculation_stays_lossless(bf16_hardware, monkeypatch):
+# Where the attention is row-invariant (see test_loading: elsewhere the server does not speculate).
+@pytest.mark.parametrize("bf16_hardware, attention", [(False, "ours"), (True, "torch"), (True, "ours")])
+def test_a_bf16_model_keeps_its_kv_dtype_and_speculation_stays_lossless(bf16_hardware, attention, monkeypatch):
+    if attention == "ours" and (native_extension() is None or not native_extension().causal_attention_available()):
+        pytest.skip("our attention needs the native extension and AVX2")
+    if attention == "torch" and not model_module.has_bf16_hardware():
+        pytest.skip("torch's attention is row-invariant only on a CPU with bf16 hardware")
+    monkeypatch.setenv("DFLASH_ATTENTION", attention)
     monkeypatch.setattr(model_module, "has_bf16_hardware", lambda: bf16_hardware)
-    expected = torch.bfloat16 if bf16_hardware else torch.float32
+    expected = torch.bfloat16
     target = ours_from_hf(tiny_hf_model("llama"), torch.bfloat16)
     ngram = SpeculationConfig(drafter="ngram", max_draft_tokens=4, ngram_min=1, ngram_max=3, adaptive=False)
     prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2]

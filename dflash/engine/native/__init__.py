@@ -19,7 +19,7 @@ import torch
 
 log = structlog.get_logger("dflash.native")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_layers.cpp", "quantized_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_layers.cpp", "quantized_linear.cpp", "causal_attention.cpp")]
 BUILD_DIR = Path(__file__).with_name("build")
 NAME = "dflash_decode_layers"
 

@@ -17,6 +17,9 @@ bool int8dot_available();
 std::string int8dot_isa(int64_t rows);
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+// causal_attention.cpp
+bool causal_attention_available();
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
 
 namespace {
 
@@ -100,8 +103,9 @@ at::Tensor grouped_query_attention(const at::Tensor& q, const at::Tensor& keys, 
 }  // namespace
 
 // x [T, C]; per layer: norms 2 (attention, ffn), qk_norms 2 or 0, linears 4 (wqkv, wo, w13, w2) x 3
-// tensors with kinds/has_bias/out_features. Groups: row ranges of the new tokens with their padded
-// key counts and repeated masks (model.few_row_groups). Returns x after the last layer and the
+// tensors with kinds/has_bias/out_features. Attention: causal_attention.cpp's (our_attention), else
+// torch's over groups: row ranges of the new tokens with their padded key counts and repeated masks
+// (model.attention_row_groups). Returns x after the last layer and the
 // hidden states after each layer in `capture` (ascending).
 std::vector<at::Tensor> decode_layers(
     at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values,
@@ -109,7 +113,7 @@ std::vector<at::Tensor> decode_layers(
     const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& kinds,
     const std::vector<int64_t>& has_bias, const std::vector<int64_t>& out_features, int64_t group_size,
     const std::vector<int64_t>& group_starts, const std::vector<int64_t>& group_ends,
-    const std::vector<int64_t>& group_keys, const std::vector<at::Tensor>& group_masks, int64_t num_heads,
+    const std::vector<int64_t>& group_keys, const std::vector<at::Tensor>& group_masks, bool our_attention, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, const std::vector<int64_t>& capture) {
   at::NoGradGuard no_grad;
   const int64_t layers = keys.size(0), T = x.size(0), H = num_heads, KV = num_kv_heads, D = head_dim;
@@ -139,13 +143,18 @@ std::vector<at::Tensor> decode_layers(
     layer_keys.slice(1, start, start + T).copy_(k.transpose(0, 1));
     layer_values.slice(1, start, start + T).copy_(v.transpose(0, 1));
     q = q.to(keys.scalar_type());
-    std::vector<at::Tensor> parts;
-    for (size_t g = 0; g < group_starts.size(); ++g) {
-      parts.push_back(grouped_query_attention(q.slice(0, group_starts[g], group_ends[g]),
-                                              layer_keys.slice(1, 0, group_keys[g]),
-                                              layer_values.slice(1, 0, group_keys[g]), group_masks[g]));
+    at::Tensor attended;
+    if (our_attention) {
+      attended = causal_attention(q, layer_keys, layer_values, start);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (size_t g = 0; g < group_starts.size(); ++g) {
+        parts.push_back(grouped_query_attention(q.slice(0, group_starts[g], group_ends[g]),
+                                                layer_keys.slice(1, 0, group_keys[g]),
+                                                layer_values.slice(1, 0, group_keys[g]), group_masks[g]));
+      }
+      attended = at::cat(parts);
     }
-    auto attended = at::cat(parts);
     x = x + linear(1)(attended.reshape({T, H * D}).to(x.scalar_type()));
     // feed-forward
     auto gate_up = linear(2)(rms_norm(x, norms[2 * layer + 1], eps)).split(intermediate, -1);
@@ -170,9 +179,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("codes"), arg("scales"));
   m.def("int8_matmul", &int8_matmul, "x [M, K] bf16 . int8 weights (quant.py's layout) -> [M, N] bf16",
         arg("x"), arg("codes"), arg("scales"));
+  m.def("causal_attention_available", &causal_attention_available, "whether this CPU runs causal_attention (AVX2 + FMA)");
+  m.def("causal_attention", &causal_attention,
+        "q [T, H, D] at positions start.. over keys/values [KV, L, D] -> [T, H, D], row-invariant (causal_attention.cpp)",
+        arg("q"), arg("keys"), arg("values"), arg("start"));
   m.def("decode_layers", &decode_layers, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
         arg("sin"), arg("keys"), arg("values"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
-        arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("num_heads"), arg("num_kv_heads"),
+        arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("our_attention"), arg("num_heads"), arg("num_kv_heads"),
         arg("head_dim"), arg("intermediate"), arg("eps"), arg("capture"));
 }

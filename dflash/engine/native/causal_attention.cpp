@@ -1,0 +1,309 @@
+// Causal grouped-query attention over the KV cache, row-invariant by construction (AVX2 + FMA).
+//
+// Why: speculation is lossless only if a verified row gets exactly the logits a decode step gives
+// it, and a prefilled row exactly those of a decoded one (model.py, KEY_BUCKET). torch's CPU flash
+// kernel keeps that where the CPU has bf16 hardware and the cache is bf16, but on AVX2-only CPUs its
+// fp32 and bf16 kernels both compute a row differently with 3 query rows than with 24 (measured on
+// an AMD EPYC: tests/model/test_causal_attention.py). Here every row is computed by one fixed
+// sequence of operations that depends only on its position, never on the other rows of the call:
+//
+//   Keys are cut into chunks of kChunk positions from 0. For each chunk a row sees (keys 0..its
+//   position), a partial (m, l, o): the scores s_j = q.k_j / sqrt(D) (8 fma lanes over D, then one
+//   fixed reduction tree), m = max s_j, e_j = exp(s_j - m) (one polynomial), l = sum e_j (8 lanes by
+//   j mod 8, one tree), o = sum e_j v_j in j order. The partials are merged in chunk order, always
+//   by the same formula, and out = o / l.
+//
+// Which thread computes which partial changes nothing: few rows (decode, verification) run one
+// task per (KV head, chunk) so a long context uses both cores, many rows (prefill) one per (KV
+// head, block of tokens) walking the chunks in order. Keys and values may be bf16 (converted to
+// fp32 exactly, by a shift) or fp32; on AVX2 this reads a bf16 cache at memory speed, where torch's
+// bf16 attention measured 4x slower than its fp32 one.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace {
+
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+// gcc -O2 keeps short constant loops as loops, with their __m256 arrays in memory: unroll them.
+#define UNROLLED _Pragma("GCC unroll 32")
+
+constexpr int64_t kChunk = 256;      // key positions per partial; fixed, so results never depend on it
+constexpr int64_t kMaxDim = 256;     // the largest head_dim served
+constexpr int64_t kFewRows = 64;     // up to this many query rows per KV head: parallel over chunks
+constexpr int64_t kTokensPerTask = 4;  // many rows: tokens per task (x G query heads)
+
+bool cpu_has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// exp for x <= 0 (scores minus their max): Cephes' range reduction and degree-5 polynomial on 8
+// lanes; one fixed sequence, so equal inputs give equal outputs whatever lane or call they sit in.
+AVX2_TARGET inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below: 0 after the mask, never a denormal
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+AVX2_TARGET inline float sum_of(__m256 v) {  // ((0+4)+(2+6)) + ((1+5)+(3+7)): one fixed tree
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+AVX2_TARGET inline float max_of(__m256 v) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+// The 8 sums of 8 vectors, lane i = sum_of(v[i]) computed with the same tree (hadd pairs lanes
+// (0,1),(2,3) within each 128-bit half, which is (0+1)+(2+3) and (4+5)+(6+7), then the halves):
+// used for 8 keys' scores at once; sum_of is never used for scores.
+AVX2_TARGET inline __m256 sums_of_eight(const __m256* v) {
+  __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // lanes: 0 1 2 3 | 0 1 2 3 (low, high halves)
+  __m256 low = _mm256_permute2f128_ps(ab, cd, 0x20), high = _mm256_permute2f128_ps(ab, cd, 0x31);
+  return _mm256_add_ps(low, high);
+}
+
+template <typename T>
+AVX2_TARGET inline __m256 load8(const T* p);
+
+template <>
+AVX2_TARGET inline __m256 load8<float>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+
+template <>
+AVX2_TARGET inline __m256 load8<at::BFloat16>(const at::BFloat16* p) {  // exact: bf16 is fp32's top half
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// One row's softmax state over a chunk (or the chunks merged so far): D + 2 floats, m, l, then o[D].
+// Kept in plain float arrays, never zero-filled: a verification at 32K holds thousands of them.
+struct Partial {
+  float* p;
+  float& m() const { return p[0]; }
+  float& l() const { return p[1]; }
+  float* o() const { return p + 2; }
+};
+
+std::unique_ptr<float[]> partial_buffer(int64_t count, int64_t D) { return std::unique_ptr<float[]>(new float[count * (D + 2)]); }
+
+// Rows of one KV head: query row i is token t = i / G of the call, head g = i % G, at position
+// start + t, q at q + (t * H + h * G + g) * D.
+template <typename QT>
+struct Rows {
+  const QT* q;
+  int64_t start, T, G, H, D;
+  float scale;
+  int64_t count() const { return T * G; }
+  int64_t position(int64_t i) const { return start + i / G; }
+  const QT* query(int64_t h, int64_t i) const { return q + ((i / G) * H + h * G + i % G) * D; }
+};
+
+// Partials of rows [first, last) of KV head h over chunk c (rows whose position is below the chunk
+// are left alone). keys/values: [L, D] of this head; `scratch` holds 8 fp32 keys or values.
+template <int D, typename QT, typename KT>
+AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, int64_t last, int64_t c,
+                                const KT* keys, const KT* values, int64_t L, float* out) {  // out: row first's partial
+  constexpr int blocks = D / 8;
+  const int64_t begin = c * kChunk;
+  const int64_t end = std::min(begin + kChunk, rows.position(last - 1) + 1);  // keys any row here sees
+  alignas(32) float key_block[8 * D];
+  // this chunk's values as fp32 (read by every row), then each row's scores
+  std::unique_ptr<float[]> scratch(new float[kChunk * D + (last - first) * kChunk]);
+  float* const value_chunk = scratch.get();
+  float* const all_scores = value_chunk + kChunk * D;
+  // scores, 8 keys at a time; the block past the cache's end reads zero-padded copies
+  for (int64_t j0 = begin; j0 < end; j0 += 8) {
+    UNROLLED for (int k = 0; k < 8; ++k) {
+      const int64_t j = j0 + k;
+      if (j < L) {
+        UNROLLED for (int b = 0; b < blocks; ++b) _mm256_store_ps(key_block + k * D + 8 * b, load8(keys + j * D + 8 * b));
+      } else {
+        std::memset(key_block + k * D, 0, sizeof(float) * D);
+      }
+      if (j < end) {
+        UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(value_chunk + (j - begin) * D + 8 * b, load8(values + j * D + 8 * b));
+      }
+    }
+    for (int64_t i = first; i < last; ++i) {
+      if (rows.position(i) < j0) continue;
+      const QT* q = rows.query(h, i);
+      __m256 acc[8];
+      UNROLLED for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+      UNROLLED for (int b = 0; b < blocks; ++b) {
+        __m256 qb = load8(q + 8 * b);
+        UNROLLED for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qb, _mm256_load_ps(key_block + k * D + 8 * b), acc[k]);
+      }
+      _mm256_storeu_ps(all_scores + (i - first) * kChunk + (j0 - begin),
+                       _mm256_mul_ps(sums_of_eight(acc), _mm256_set1_ps(rows.scale)));
+    }
+  }
+  // softmax over each row's visible keys of this chunk, then its values
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t seen = std::min(end, rows.position(i) + 1) - begin;  // keys of this chunk row i sees
+    if (seen <= 0) continue;
+    float* s = all_scores + (i - first) * kChunk;
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 running_max = minus_inf;
+    for (int64_t j = 0; j < seen; j += 8) {
+      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+      running_max = _mm256_max_ps(running_max, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + j), visible));
+    }
+    const float m = max_of(running_max);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 8) {
+      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+      __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m))), visible);
+      _mm256_storeu_ps(s + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    const Partial p{out + (i - first) * (D + 2)};
+    p.m() = m;
+    p.l() = sum_of(total);
+    __m256 o[blocks];
+    UNROLLED for (int b = 0; b < blocks; ++b) o[b] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; ++j) {
+      const __m256 e = _mm256_set1_ps(s[j]);
+      const float* v = value_chunk + j * D;
+      UNROLLED for (int b = 0; b < blocks; ++b) o[b] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * b), o[b]);
+    }
+    UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(p.o() + 8 * b, o[b]);
+  }
+}
+
+// state <- state merged with the next chunk's partial; never inlined, so every caller runs the same
+// instructions (gcc may contract a * b + c into an fma differently in different inlined copies).
+__attribute__((noinline)) AVX2_TARGET void merge(const Partial& state, const Partial& next, int64_t D) {
+  const float m = std::max(state.m(), next.m());
+  const __m256 a = exp_nonpositive(_mm256_set1_ps(state.m() - m)), b = exp_nonpositive(_mm256_set1_ps(next.m() - m));
+  __m256 l = _mm256_fmadd_ps(_mm256_set1_ps(next.l()), b, _mm256_mul_ps(_mm256_set1_ps(state.l()), a));
+  state.l() = _mm256_cvtss_f32(l);
+  state.m() = m;
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 merged = _mm256_fmadd_ps(_mm256_loadu_ps(next.o() + d), b, _mm256_mul_ps(_mm256_loadu_ps(state.o() + d), a));
+    _mm256_storeu_ps(state.o() + d, merged);
+  }
+}
+
+template <typename OT>
+AVX2_TARGET void finish(const Partial& state, OT* out, int64_t D) {
+  const __m256 inverse = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(state.l()));
+  alignas(32) float row[kMaxDim];
+  for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(row + d, _mm256_mul_ps(_mm256_loadu_ps(state.o() + d), inverse));
+  for (int64_t d = 0; d < D; ++d) out[d] = OT(row[d]);
+}
+
+template <int D, typename QT, typename KT>
+void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head_stride, int64_t L, int64_t KV, KT* out) {
+  const int64_t R = rows.count(), S = D + 2, chunks = (rows.position(R - 1) + kChunk) / kChunk;
+  auto output_row = [&](int64_t h, int64_t i) { return out + ((i / rows.G) * rows.H + h * rows.G + i % rows.G) * D; };
+  if (R <= kFewRows) {  // every (head, chunk) a task, then merge per row in chunk order
+    auto partials = partial_buffer(KV * chunks * R, D);
+    at::parallel_for(0, KV * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task / chunks, c = task % chunks;
+        chunk_partials<D>(rows, h, 0, R, c, keys + h * head_stride, values + h * head_stride, L,
+                       partials.get() + (h * chunks + c) * R * S);
+      }
+    });
+    at::parallel_for(0, KV * R, 1, [&](int64_t begin, int64_t end) {
+      auto state_buffer = partial_buffer(1, D);
+      const Partial state{state_buffer.get()};
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task / R, i = task % R, last_chunk = rows.position(i) / kChunk;
+        std::memcpy(state.p, partials.get() + ((h * chunks) * R + i) * S, sizeof(float) * S);
+        for (int64_t c = 1; c <= last_chunk; ++c) merge(state, Partial{partials.get() + ((h * chunks + c) * R + i) * S}, D);
+        finish(state, output_row(h, i), D);
+      }
+    });
+    return;
+  }
+  const int64_t per_task = kTokensPerTask * rows.G, blocks = (R + per_task - 1) / per_task;
+  at::parallel_for(0, KV * blocks, 1, [&](int64_t begin, int64_t end) {
+    auto states = partial_buffer(per_task, D), next = partial_buffer(per_task, D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, first = (task % blocks) * per_task, last = std::min(R, first + per_task);
+      const int64_t last_chunk = rows.position(last - 1) / kChunk;
+      chunk_partials<D>(rows, h, first, last, 0, keys + h * head_stride, values + h * head_stride, L, states.get());
+      for (int64_t c = 1; c <= last_chunk; ++c) {
+        chunk_partials<D>(rows, h, first, last, c, keys + h * head_stride, values + h * head_stride, L, next.get());
+        for (int64_t i = first; i < last; ++i) {
+          if (rows.position(i) / kChunk >= c) merge(Partial{states.get() + (i - first) * S}, Partial{next.get() + (i - first) * S}, D);
+        }
+      }
+      for (int64_t i = first; i < last; ++i) finish(Partial{states.get() + (i - first) * S}, output_row(h, i), D);
+    }
+  });
+}
+
+}  // namespace
+
+bool causal_attention_available() { return cpu_has_avx2_fma(); }
+
+// q [T, H, D] (the new tokens, at positions start..start+T-1), keys/values [KV, L, D] (a layer of the
+// cache, positions 0..start+T-1 written) -> [T, H, D] in the cache's dtype. H = G * KV, query head
+// h * G + g reads KV head h (model.grouped_query_attention's grouping).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
+  TORCH_CHECK(cpu_has_avx2_fma(), "causal_attention: needs AVX2 and FMA");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "causal_attention: q ", q.sizes(),
+              ", keys ", keys.sizes(), ", values ", values.sizes());
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(0), L = keys.size(1);
+  TORCH_CHECK(keys.size(2) == D && (D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && H % KV == 0,
+              "causal_attention: head dim ", D, " (16, 32, 64, 128 or 256), ", H, " query heads over ", KV, " KV heads");
+  TORCH_CHECK(start >= 0 && start + T <= L, "causal_attention: positions ", start, "..", start + T, " past ", L, " cached");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "causal_attention: keys ", keys.scalar_type(), ", values ", values.scalar_type());
+  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == D && values.strides() == keys.strides(),
+              "causal_attention: keys and values must be [KV, L, D] with rows of D contiguous");
+  auto query = q.contiguous();
+  auto out = at::empty({T, H, D}, q.options().dtype(keys.scalar_type()));
+  if (T == 0) return out;
+  const float scale = 1.0f / std::sqrt(float(D));
+  auto run = [&](auto q_type, auto kv_type) {
+    using QT = decltype(q_type);
+    using KT = decltype(kv_type);
+    Rows<QT> rows{query.data_ptr<QT>(), start, T, H / KV, H, D, scale};
+    const KT *k = keys.data_ptr<KT>(), *v = values.data_ptr<KT>();
+    KT* o = out.data_ptr<KT>();
+    switch (D) {  // the head dims of the families we load; compile-time, so o[] and the loops live in registers
+      case 16: attend<16>(rows, k, v, keys.stride(0), L, KV, o); break;
+      case 32: attend<32>(rows, k, v, keys.stride(0), L, KV, o); break;
+      case 64: attend<64>(rows, k, v, keys.stride(0), L, KV, o); break;
+      case 128: attend<128>(rows, k, v, keys.stride(0), L, KV, o); break;
+      default: attend<256>(rows, k, v, keys.stride(0), L, KV, o); break;
+    }
+  };
+  const bool bf16_q = query.scalar_type() == at::kBFloat16, bf16_kv = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_q || query.scalar_type() == at::kFloat) && (bf16_kv || keys.scalar_type() == at::kFloat),
+              "causal_attention: q ", query.scalar_type(), " and cache ", keys.scalar_type(), " (fp32 or bf16)");
+  if (bf16_q && bf16_kv) run(at::BFloat16{}, at::BFloat16{});
+  else if (bf16_q) run(at::BFloat16{}, float{});
+  else if (bf16_kv) run(float{}, at::BFloat16{});
+  else run(float{}, float{});
+  return out;
+}

@@ -1,0 +1,109 @@
+"""Our causal attention kernel (native/causal_attention.cpp): it computes attention (checked against
+a float64 reference), and computes each row the same way whatever the other rows of the call, the
+position the call starts at, and whether the call runs chunk by chunk (few rows) or row block by
+row block (many rows): what lossless speculation and exact prefix-cache restores rest on. The model
+runs it wherever model.attention_kernels() says "ours" (AVX2-only CPUs); DFLASH_ATTENTION=ours makes
+every CPU run it here."""
+
+import math
+
+import pytest
+import torch
+
+from dflash.engine.model import attention_kernels, attention_rows_invariant, kv_dtype_for
+from dflash.engine.native import extension
+from tests.model.tiny import ours_from_hf, tiny_hf_model
+
+pytestmark = pytest.mark.skipif(
+    extension() is None or not extension().causal_attention_available(), reason="needs the native extension and AVX2"
+)
+
+CHUNK = 256  # causal_attention.cpp's kChunk: the row sets below straddle it
+FEW_ROWS = 64  # its kFewRows: up to this many query rows per KV head the call splits over chunks
+
+
+def reference(q, keys, values, start):
+    T, H, D = q.shape
+    G = H // keys.shape[0]
+    length = start + T
+    visible = torch.arange(length)[None, :] <= (start + torch.arange(T))[:, None]
+    out = torch.empty(T, H, D, dtype=torch.float64)
+    for h in range(H):
+        scores = q[:, h].double() @ keys[h // G, :length].double().T / math.sqrt(D)
+        out[:, h] = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values[h // G, :length].double()
+    return out
+
+
+def random_cache(T, H, KV, D, length, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=generator).to(dtype)
+    keys = torch.randn(KV, length, D, generator=generator).to(dtype)
+    values = torch.randn(KV, length, D, generator=generator).to(dtype)
+    return q, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 64, 128])
+@pytest.mark.parametrize("start,T", [(0, 1), (0, 7), (10, 1), (250, 8), (255, 2), (0, 300), (513, 40), (1000, 1)])
+def test_matches_a_float64_reference(dtype, D, start, T):
+    q, keys, values = random_cache(T, 6, 2, D, start + T + 5, dtype)
+    out = extension().causal_attention(q, keys, values, start)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    assert (out.double() - reference(q.float(), keys.float(), values.float(), start)).abs().max() < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_alone_in_a_verification_block_or_in_a_prefill_chunk(dtype):
+    """Positions 0..599 computed as one call (prefill: many rows), in blocks of 8 (verification: few
+    rows, split over chunks), one at a time (decode), and in uneven pieces across the chunk
+    boundaries: every row bit for bit the same."""
+    H, KV, D, length = 9, 3, 64, 600
+    q, keys, values = random_cache(length, H, KV, D, length + 8, dtype, seed=1)
+    whole = extension().causal_attention(q, keys, values, 0)
+    assert length * H // KV > FEW_ROWS  # the whole call takes the many-rows path
+    for cuts in (list(range(0, length + 1, 8)), list(range(length + 1)), [0, 5, 255, 256, 257, 300, 511, 513, 600]):
+        pieces = [extension().causal_attention(q[a:b], keys, values, a) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(pieces), whole), cuts[:6]
+
+
+def test_it_reads_only_the_keys_a_row_may_see():
+    """Positions past the call's last row hold anything (a cache's stale or unwritten tail, even NaN):
+    the result does not change."""
+    q, keys, values = random_cache(4, 4, 2, 32, 300, torch.float32, seed=2)
+    clean = extension().causal_attention(q, keys, values, 250)
+    keys[:, 254:], values[:, 254:] = float("nan"), float("inf")
+    assert torch.equal(extension().causal_attention(q, keys, values, 250), clean)
+
+
+@pytest.mark.parametrize("bad", ["head_dim", "past_the_cache", "dtype"])
+def test_bad_shapes_are_errors_that_say_what(bad):
+    q, keys, values = random_cache(2, 4, 2, 64, 16, torch.float32)
+    if bad == "head_dim":
+        q, keys, values = q[..., :24].contiguous(), keys[..., :24].contiguous(), values[..., :24].contiguous()
+        match = "head dim 24"
+    elif bad == "past_the_cache":
+        match = "past 16 cached"
+    else:
+        q = q.double()
+        match = "fp32 or bf16"
+    with pytest.raises(RuntimeError, match=match):
+        extension().causal_attention(q, keys, values, 15 if bad == "past_the_cache" else 0)
+
+
+def test_the_model_runs_ours_where_it_is_chosen(monkeypatch):
+    """DFLASH_ATTENTION=ours: the model's logits are those of torch's attention up to rounding, its
+    cache is bf16 for a bf16 model on any CPU, and its rows are invariant."""
+    model = ours_from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
+    tokens = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3))
+
+    def logits(kernels):
+        monkeypatch.setenv("DFLASH_ATTENTION", kernels)
+        assert attention_kernels() == kernels
+        kv = model.new_kv_cache(64, dtype=torch.float32)
+        return model(tokens, 0, kv, logits_positions=None)[0]
+
+    assert (logits("ours") - logits("torch")).abs().max() < 0.05
+    monkeypatch.setenv("DFLASH_ATTENTION", "ours")
+    assert kv_dtype_for(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+    assert attention_rows_invariant(torch.bfloat16) and attention_rows_invariant(torch.float32)
