@@ -20,7 +20,7 @@ from dflash.engine.pflash import PromptCompressor, Span, kept_boundaries
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.prefix_reuse import PrefixReuse
 from dflash.engine.sampling import Sampler
-from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
+from dflash.engine.speculative import SpeculationConfig, SpeculationMemory, SpeculationPolicy
 from dflash.sampling_params import SamplingParams
 
 @attrs.define
@@ -74,6 +74,7 @@ class Engine:
         self._grammar_tokenizer_factory = grammar_tokenizer_factory
         self._grammar_tokenizer = None
         self.speculation = speculation
+        self._speculation_memory: SpeculationMemory | None = None
         if speculation.drafter == "dflash" and dflash_drafter is None:
             raise ValueError("speculative drafter 'dflash' needs a draft model")
         self.max_ctx = max_ctx
@@ -168,6 +169,12 @@ class Engine:
             self._grammar_tokenizer = self._grammar_tokenizer_factory()
         return self._grammar_tokenizer
 
+    def speculation_memory(self) -> SpeculationMemory:
+        """What earlier generations learned of the drafters; forgotten when the configuration changes."""
+        if self._speculation_memory is None or self._speculation_memory.config != self.speculation:
+            self._speculation_memory = SpeculationMemory(self.speculation)
+        return self._speculation_memory
+
     def drafters(self) -> dict[str, object]:
         """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""
         mode = self.speculation.drafter
@@ -201,7 +208,7 @@ class Generation:
         self.output: list[int] = []
         self.finished: FinishReason | None = None
         self.closed = False
-        self.speculation = SpeculationPolicy(engine.speculation, engine.drafters())
+        self.speculation = SpeculationPolicy(engine.speculation, engine.drafters(), engine.speculation_memory())
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.original_prompt = prompt_ids
         self.kept_positions: list[int] | None = None  # of the plan's tokens, once compressed
@@ -306,23 +313,24 @@ class Generation:
         return self.turn_from if self.turn_from is not None and self.turn_from < length else None
 
     def _decode_one(self) -> StepOutput:
+        # Steps are timed from before the proposal: a drafter's own forward is part of what its
+        # speculation costs, and the policy weighs that against plain steps.
+        started = time.perf_counter()
         drafter, draft = self.speculation.choose(self.engine.committed + self.output[-1:])
         if draft and self.constraint is not None:
             # The pending token is committed to the matcher already; drafts past the first token
             # the grammar refuses could never be accepted.
             draft = draft[: self.constraint.valid_prefix(draft)]
         if draft:
-            return self._speculative_step(drafter, draft)
-        started = time.perf_counter()
+            return self._speculative_step(drafter, draft, started)
         logits = self.engine.forward([self.output[-1]])
         emitted = self._emit(self._sample(logits[-1]))
         self.speculation.record_plain(time.perf_counter() - started)
         return StepOutput(emitted, self.finished, "decode")
 
-    def _speculative_step(self, drafter, draft: list[int]) -> StepOutput:
+    def _speculative_step(self, drafter, draft: list[int], started: float) -> StepOutput:
         """Verify `draft` after the pending token in one target forward (see speculative.py)."""
         draft = draft[: self.max_tokens - len(self.output)]
-        started = time.perf_counter()
         base = self.engine.kv.length
         logits = self.engine.forward([self.output[-1]] + draft, logits_positions=None)
         emitted: list[int] = []

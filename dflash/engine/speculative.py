@@ -51,9 +51,28 @@ class _DrafterState:
         self.tokens_per_second = _Ema(0.3)
 
 
+class SpeculationMemory:
+    """What an engine's earlier generations learned of each drafter: its block size, its pause
+    length, and whether it paid when last measured, for the configuration it was learned under.
+
+    Why: a generation starts knowing nothing, so each one probed every drafter afresh; where a
+    verification costs several decode steps (AVX2: 1+7 rows ~4x a step) those probes made auto
+    slower than plain on chat. A drafter that did not pay last time starts the next generation
+    paused for the rest of its pause, at most CARRIED_PAUSE steps, so one that pays on other text
+    (n-gram on a code edit after chat) loses few steps.
+    """
+
+    CARRIED_PAUSE = 64
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.drafters: dict[str, tuple[int, int, int]] = {}  # name -> (block, pause left, pause length)
+
+
 class SpeculationPolicy:
     """Per generation: picks the drafter and block size for each decode step. Each drafter keeps its
-    own block size and pause, so a drafter that does not pay does not silence one that does."""
+    own block size and pause, so a drafter that does not pay does not silence one that does; they
+    start from what the engine's earlier generations learned (SpeculationMemory), if given."""
 
     # Plain steps to take after speculation measured slower than plain decoding; doubled after each
     # probe that fails again (so a drafter that never pays costs ever less), reset by one that pays.
@@ -61,13 +80,18 @@ class SpeculationPolicy:
     MAX_PAUSE_STEPS = 512
     FIRST_BLOCK = 2
 
-    def __init__(self, config: SpeculationConfig, drafters: dict[str, object]):
+    def __init__(self, config: SpeculationConfig, drafters: dict[str, object], memory: SpeculationMemory | None = None):
         self.config = config
         self.drafters = drafters  # name -> drafter, in preference order for auto mode
         # Slow start: a drafter begins with a short block (a failed probe then costs little) and
         # earns longer ones by having whole blocks accepted. Without adaptation: the full block.
         first_block = min(self.FIRST_BLOCK, config.max_draft_tokens) if config.adaptive else config.max_draft_tokens
         self.state = {name: _DrafterState(first_block, self.PAUSE_STEPS) for name in drafters}
+        self.memory = memory if memory is not None and memory.config == config and config.adaptive else None
+        for name, state in self.state.items():
+            if self.memory is not None and name in self.memory.drafters:
+                state.block, pause, state.pause_length = self.memory.drafters[name]
+                state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
         self.plain_seconds = _Ema(0.3)
 
     def choose(self, tokens: Sequence[int]) -> tuple[object | None, list[int]]:
@@ -79,6 +103,7 @@ class SpeculationPolicy:
             state = self.state[name]
             if state.pause > 0:
                 state.pause -= 1
+                self._remember(name)
             else:
                 ready.append((index, name, drafter))
         # The fastest measured drafter asks first (one never measured before all, to measure it);
@@ -111,3 +136,9 @@ class SpeculationPolicy:
             state.tokens_per_second.value = plain_rate  # probe again from neutral after the pause
         else:
             state.pause_length = self.PAUSE_STEPS
+        self._remember(drafter.name)
+
+    def _remember(self, name: str) -> None:
+        if self.memory is not None:
+            state = self.state[name]
+            self.memory.drafters[name] = (state.block, state.pause, state.pause_length)

@@ -1,7 +1,7 @@
 """The speculation policy: measure plain decoding first, shrink the block on low acceptance,
 pause (with growing pauses) when speculating measures slower than plain decoding."""
 
-from dflash.engine.speculative import SpeculationConfig, SpeculationPolicy
+from dflash.engine.speculative import SpeculationConfig, SpeculationMemory, SpeculationPolicy
 
 
 class ScriptedDrafter:
@@ -87,3 +87,46 @@ def test_the_drafter_measured_fastest_proposes_first():
         policy.record(drafter, len(draft), len(draft), 0.012 if drafter is fast else 0.024)
     assert chosen[:2] == ["dflash", "ngram"]  # each measured once, in preference order
     assert set(chosen[2:]) == {"ngram"}
+
+
+def generation(policy, steps, accepted_of, seconds):
+    """Drive a policy like a generation: plain steps at 10 ms, drafts as scripted."""
+    speculated = []
+    for step in range(steps):
+        chosen, draft = policy.choose([1, 2, 3])
+        if chosen is None:
+            policy.record_plain(0.010)
+        else:
+            speculated.append(step)
+            policy.record(chosen, len(draft), accepted_of(len(draft)), seconds)
+    return speculated
+
+
+def test_a_drafter_that_did_not_pay_starts_the_next_generation_paused():
+    """The engine's memory carries what a generation learned into the next: a drafter that measured
+    slower than plain is not probed again at once (where a verification costs several steps those
+    probes made auto slower than plain), but its pause is capped so one paying elsewhere soon returns."""
+    config = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
+    memory = SpeculationMemory(config)
+    first = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.030)
+    assert first[0] == 1  # probed right after the baseline step
+    second = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.030)
+    assert second and second[0] > SpeculationMemory.CARRIED_PAUSE // 2 and second[0] <= SpeculationMemory.CARRIED_PAUSE + 1
+    fresh = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}), 200, lambda n: 0, 0.030)
+    assert fresh[0] == 1  # without memory: as before
+
+
+def test_a_drafter_that_paid_starts_the_next_generation_with_its_block():
+    config = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
+    memory = SpeculationMemory(config)
+    generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 20, lambda n: n, 0.020)
+    drafter = ScriptedDrafter()
+    generation(SpeculationPolicy(config, {"ngram": drafter}, memory), 5, lambda n: n, 0.020)
+    assert drafter.asked[0] == 8  # no slow start again
+
+
+def test_memory_of_another_configuration_is_not_used():
+    memory = SpeculationMemory(SpeculationConfig(drafter="ngram", max_draft_tokens=8))
+    generation(SpeculationPolicy(memory.config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.030)
+    other = SpeculationConfig(drafter="ngram", max_draft_tokens=4)
+    assert generation(SpeculationPolicy(other, {"ngram": ScriptedDrafter()}, memory), 10, lambda n: 0, 0.030)[0] == 1
