@@ -105,3 +105,18 @@ def test_a_bf16_model_keeps_its_kv_dtype_and_speculation_stays_lossless(bf16_har
         outputs.append(generation.run())
     assert outputs[0] == outputs[1]
     assert generation.stats.verification_steps > 0
+
+
+def test_the_engine_keeps_what_generations_learned_of_drafters_until_its_configuration_changes():
+    target = ours_from_hf(tiny_hf_model("llama"), torch.bfloat16)
+    ngram = SpeculationConfig(drafter="ngram", max_draft_tokens=4, ngram_min=1, ngram_max=3)
+    engine = Engine(target, max_ctx=128, prefill_chunk=8, speculation=ngram)
+    prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2]
+    engine.start(prompt, SamplingParams(), max_tokens=16).run()
+    memory = engine.speculation_memory()
+    assert "ngram" in memory.drafters  # the first generation's verdict on the n-gram drafter
+    engine.rollback(0)
+    generation = engine.start(prompt, SamplingParams(), max_tokens=4)
+    assert generation.speculation.memory is memory
+    engine.speculation = SpeculationConfig(drafter="ngram", max_draft_tokens=2)
+    assert engine.speculation_memory() is not memory and not engine.speculation_memory().drafters
