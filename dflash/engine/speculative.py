@@ -10,8 +10,10 @@ plain step does, so a seeded request gives the same tokens with or without specu
 
 The policy keeps speculation from costing speed: it measures the time of plain steps and of
 verification steps and, when speculating yields fewer tokens per second than plain decoding, it
-shrinks the block and then pauses speculation for a while before probing again. With several
-drafters (auto), the one measured fastest proposes first.
+shrinks the block and then pauses speculation for a while before probing again. Once it has
+measured a drafter's per-token acceptance and what each verified row costs on this CPU, it drafts
+the number of tokens that yields the most tokens per second (best_block). With several drafters
+(auto), the one measured fastest proposes first.
 """
 
 from __future__ import annotations
@@ -49,6 +51,30 @@ class _DrafterState:
         self.pause = 0
         self.pause_length = pause_length
         self.tokens_per_second = _Ema(0.3)
+        # Per-token acceptance: decayed counts of draft tokens matched and of tokens tried (the
+        # matched ones plus the first mismatch; tokens after it were never judged).
+        self.matched = 0.0
+        self.tried = 0.0
+        self.row_cost = _Ema(0.3)  # each verified draft row's cost, in plain steps
+
+    def acceptance(self) -> float | None:
+        return self.matched / self.tried if self.tried >= 4 else None
+
+
+def tokens_per_verification(acceptance: float, block: int) -> float:
+    """Expected tokens a verification of `block` drafts yields (the target's own token included)
+    when each draft token is accepted with probability `acceptance` until the first rejection."""
+    if acceptance >= 0.999:
+        return block + 1.0
+    return (1.0 - acceptance ** (block + 1)) / (1.0 - acceptance)
+
+
+def best_block(acceptance: float, row_cost: float, max_block: int) -> int:
+    """The block that yields the most tokens per unit of time, a verification of k drafts costing
+    1 + row_cost * k plain steps: on AMX (row_cost ~0.1) a long block for a drafter accepted 90% of
+    the time, on AVX2 (~0.4) 3 drafts for the same drafter."""
+    return max(range(1, max_block + 1),
+               key=lambda k: tokens_per_verification(acceptance, k) / (1.0 + max(row_cost, 0.0) * k))
 
 
 class SpeculationMemory:
@@ -126,7 +152,16 @@ class SpeculationPolicy:
         state = self.state[drafter.name]
         state.tokens_per_second.add((accepted + 1) / max(seconds, 1e-9))
         plain_rate = 1.0 / max(self.plain_seconds.value or seconds, 1e-9)
-        if accepted < proposed / 2 and state.block > 1:
+        state.matched = 0.9 * state.matched + accepted
+        state.tried = 0.9 * state.tried + accepted + (accepted < proposed)
+        if self.plain_seconds.value:
+            state.row_cost.add((seconds / self.plain_seconds.value - 1.0) / max(proposed, 1))
+        acceptance = state.acceptance()
+        if acceptance is not None and state.row_cost.value is not None:
+            # Enough measured: the block that pays best on this CPU (verification cost per row)
+            # for this drafter's acceptance, instead of the slow start's doubling and halving.
+            state.block = best_block(acceptance, state.row_cost.value, self.config.max_draft_tokens)
+        elif accepted < proposed / 2 and state.block > 1:
             state.block = max(1, state.block // 2)
         elif accepted == proposed:
             state.block = min(self.config.max_draft_tokens, state.block * 2)

@@ -1,7 +1,13 @@
 """The speculation policy: measure plain decoding first, shrink the block on low acceptance,
 pause (with growing pauses) when speculating measures slower than plain decoding."""
 
-from dflash.engine.speculative import SpeculationConfig, SpeculationMemory, SpeculationPolicy
+from dflash.engine.speculative import (
+    SpeculationConfig,
+    SpeculationMemory,
+    SpeculationPolicy,
+    best_block,
+    tokens_per_verification,
+)
 
 
 class ScriptedDrafter:
@@ -130,3 +136,32 @@ def test_memory_of_another_configuration_is_not_used():
     generation(SpeculationPolicy(memory.config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.030)
     other = SpeculationConfig(drafter="ngram", max_draft_tokens=4)
     assert generation(SpeculationPolicy(other, {"ngram": ScriptedDrafter()}, memory), 10, lambda n: 0, 0.030)[0] == 1
+
+
+def test_the_block_is_chosen_by_acceptance_and_what_a_verified_row_costs():
+    assert tokens_per_verification(1.0, 7) == 8 and tokens_per_verification(0.0, 7) == 1
+    assert abs(tokens_per_verification(0.5, 2) - 1.75) < 1e-9  # 1 + 0.5 + 0.25
+    assert best_block(0.9, 0.1, 7) == 7  # AMX-like: rows are cheap, draft long
+    assert best_block(0.85, 0.4, 7) == 3  # AVX2-like: each row ~0.4 of a step
+    assert best_block(0.3, 0.4, 7) == 1
+
+
+def test_a_measured_drafter_drafts_the_block_that_pays_best_on_this_cpu():
+    """Verification at 1 + 0.4 steps per draft row and 3 of every 4 drafts accepted: after the slow
+    start the policy settles on short blocks, not the longest one whole blocks would earn."""
+    import random
+
+    drafter = ScriptedDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    policy.record_plain(0.010)
+    rng = random.Random(0)
+    for _ in range(60):
+        chosen, draft = policy.choose([1, 2, 3])
+        if chosen is None:
+            policy.record_plain(0.010)
+            continue
+        matched = 0
+        while matched < len(draft) and rng.random() < 0.75:
+            matched += 1
+        policy.record(chosen, len(draft), matched, 0.010 * (1 + 0.4 * len(draft)))
+    assert max(drafter.asked[-20:]) <= 3 and 2 in drafter.asked[-20:]  # best: 2 (1.29 tokens a step's time)
