@@ -133,10 +133,19 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
   const int64_t begin = c * kChunk;
   const int64_t end = std::min(begin + kChunk, rows.position(last - 1) + 1);  // keys any row here sees
   alignas(32) float key_block[8 * D];
-  // this chunk's values as fp32 (read by every row), then each row's scores
-  std::unique_ptr<float[]> scratch(new float[kChunk * D + (last - first) * kChunk]);
+  const int64_t count = last - first;
+  // this chunk's values as fp32 (read by every row), each row's scores, its query as fp32, and its
+  // position (computed once here: i / G in the inner loops cost more than the scores' arithmetic)
+  std::unique_ptr<float[]> scratch(new float[kChunk * D + count * kChunk + count * D]);
   float* const value_chunk = scratch.get();
   float* const all_scores = value_chunk + kChunk * D;
+  float* const queries = all_scores + count * kChunk;
+  std::unique_ptr<int64_t[]> positions(new int64_t[count]);
+  for (int64_t i = first; i < last; ++i) {
+    positions[i - first] = rows.position(i);
+    const QT* q = rows.query(h, i);
+    UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(queries + (i - first) * D + 8 * b, load8(q + 8 * b));
+  }
   // scores, 8 keys at a time; the block past the cache's end reads zero-padded copies
   for (int64_t j0 = begin; j0 < end; j0 += 8) {
     UNROLLED for (int k = 0; k < 8; ++k) {
@@ -151,12 +160,12 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
       }
     }
     for (int64_t i = first; i < last; ++i) {
-      if (rows.position(i) < j0) continue;
-      const QT* q = rows.query(h, i);
+      if (positions[i - first] < j0) continue;
+      const float* q = queries + (i - first) * D;
       __m256 acc[8];
       UNROLLED for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
       UNROLLED for (int b = 0; b < blocks; ++b) {
-        __m256 qb = load8(q + 8 * b);
+        __m256 qb = _mm256_loadu_ps(q + 8 * b);
         UNROLLED for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qb, _mm256_load_ps(key_block + k * D + 8 * b), acc[k]);
       }
       _mm256_storeu_ps(all_scores + (i - first) * kChunk + (j0 - begin),
@@ -165,7 +174,7 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
   }
   // softmax over each row's visible keys of this chunk, then its values
   for (int64_t i = first; i < last; ++i) {
-    const int64_t seen = std::min(end, rows.position(i) + 1) - begin;  // keys of this chunk row i sees
+    const int64_t seen = std::min(end, positions[i - first] + 1) - begin;  // keys of this chunk row i sees
     if (seen <= 0) continue;
     float* s = all_scores + (i - first) * kChunk;
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
