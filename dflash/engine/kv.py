@@ -12,6 +12,23 @@ import torch
 from torch import Tensor
 
 
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+    """A zero tensor whose memory the system provides only as it is written, on the CPU.
+
+    Why: torch.zeros writes every byte, so a server holds its whole context's keys and values
+    resident from start-up (the embedded model's 32K context: 720 MiB) though a conversation uses a
+    part of it. calloc (numpy's zeros) returns pages the kernel zero-fills on first touch; the
+    tensor shares that memory. Zero-filled either way: positions past a sequence's length are
+    read only masked (torch's attention over padded key counts) or never (ours).
+    """
+    if torch.device(device).type != "cpu" or dtype.itemsize not in (1, 2, 4, 8):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    carrier = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    return torch.from_numpy(np.zeros(shape, dtype=carrier)).view(dtype)
+
+
 @attrs.frozen
 class KVSnapshot:
     keys: Tensor  # [layers, KV, length, D]
@@ -41,8 +58,8 @@ class KVCache:
         # Snapshots may be stored narrower than the cache: a bf16 model's keys and values are exact
         # in bf16 even when attention keeps them in fp32, so storing them as bf16 halves the memory.
         self.snapshot_dtype = snapshot_dtype or dtype
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = lazily_zeroed(shape, dtype, device)
+        self.values = lazily_zeroed(shape, dtype, device)
         self.max_ctx = max_ctx
         self.length = 0
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.engine.kv import KVCache
+from dflash.engine.kv import KVCache, lazily_zeroed
 from dflash.engine.model import Linear, RMSNorm, apply_rope, grouped_query_attention, rope_tables
 
 
@@ -223,7 +223,7 @@ class DFlashDrafter:
         self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # Captured target rows [position, K*H] of every committed token; rows kv.length..length are
         # not yet projected into the draft cache (that happens lazily, at the next proposal).
-        self.rows = torch.zeros(max_ctx, len(c.target_layer_ids) * c.hidden_size, dtype=draft.dtype, device=device)
+        self.rows = lazily_zeroed((max_ctx, len(c.target_layer_ids) * c.hidden_size), draft.dtype, device)
         self.length = 0
 
     @property
