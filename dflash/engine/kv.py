@@ -7,6 +7,9 @@ tokens is moving `length`; a snapshot copies only `[:length]`.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import attrs
 import torch
 from torch import Tensor
@@ -15,18 +18,17 @@ from torch import Tensor
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
     """A zero tensor whose memory the system provides only as it is written, on the CPU.
 
-    Why: torch.zeros writes every byte, so a server holds its whole context's keys and values
+    Why: torch.zeros writes every byte, so a server held its whole context's keys and values
     resident from start-up (the embedded model's 32K context: 720 MiB) though a conversation uses a
-    part of it. calloc (numpy's zeros) returns pages the kernel zero-fills on first touch; the
-    tensor shares that memory. Zero-filled either way: positions past a sequence's length are
-    read only masked (torch's attention over padded key counts) or never (ours).
+    part of it. An anonymous mapping is the kernel's zero pages, each made resident on its first
+    write, whatever the allocator's state (calloc reuses freed heap, which it must then zero). The
+    tensor keeps the mapping alive. Positions past a sequence's length are read only masked
+    (torch's attention over padded key counts) or never (ours).
     """
-    if torch.device(device).type != "cpu" or dtype.itemsize not in (1, 2, 4, 8):
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    carrier = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
-    return torch.from_numpy(np.zeros(shape, dtype=carrier)).view(dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 @attrs.frozen
