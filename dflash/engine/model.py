@@ -127,8 +127,8 @@ def kv_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     attention on AVX2 measured 4x slower than its fp32 one).
 
     Where they are bf16: half the memory (a 32K context of the embedded model: 0.75 GB instead of
-    1.5; prefix snapshots alike), prefill at 8K of context 1.7x faster with AMX, decode at 16K 1.4x
-    faster with ours on AVX2 (README, Numbers). Rows stay invariant (see attention_kernels), so a
+    1.5; prefix snapshots alike), prefill at 8K of context 1.7x faster with AMX, decode at 16K 1.1x
+    faster with ours on AVX2 than on an fp32 one (bench/attention.py). Rows stay invariant (see attention_kernels), so a
     prefix-cache hit continues exactly as a recomputation (tests/model/test_weight_formats.py,
     test_long_context.py)."""
     if (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not has_bf16_hardware()

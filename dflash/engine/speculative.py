@@ -78,8 +78,8 @@ def best_block(acceptance: float, row_cost: float, max_block: int) -> int:
 
 
 class SpeculationMemory:
-    """What an engine's earlier generations learned of each drafter: its block size, its pause
-    length, and whether it paid when last measured, for the configuration it was learned under.
+    """What an engine's earlier generations learned of each drafter: its block size, the pause it
+    had left and its pause length, for the configuration it was learned under.
 
     Why: a generation starts knowing nothing, so each one probed every drafter afresh; where a
     verification costs several decode steps (AVX2: 1+7 rows ~4x a step) those probes made auto

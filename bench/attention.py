@@ -1,0 +1,67 @@
+"""Our causal attention kernel (engine/native/causal_attention.cpp) next to torch's flash kernel, per
+layer of the embedded model's shape (9 query heads over 3 KV heads, head dim 64), on random data:
+a decode row and a 1+7-row verification at 1K and 16K of context, a 256-row prefill chunk at 2K.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/attention.py [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dflash.engine.cpu import cpu_kind  # noqa: E402
+from dflash.engine.model import attention_row_groups, grouped_query_attention  # noqa: E402
+from dflash.engine.native import extension  # noqa: E402
+
+CASES = [("decode at 1K", 1024, 1), ("verify 1+7 at 1K", 1024, 8), ("decode at 16K", 16384, 1),
+         ("verify 1+7 at 16K", 16384, 8), ("prefill 256 at 2K", 1792, 256)]
+
+
+def torch_attention(q, keys, values, start):  # model.Attention's torch path
+    groups = attention_row_groups(start, q.shape[0], keys.shape[1], 3, keys.dtype, "cpu")
+    return torch.cat([grouped_query_attention(q[g.rows], keys[:, : g.keys], values[:, : g.keys], g.mask) for g in groups])
+
+
+def best_ms(run, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    native = extension()
+    if native is None or not native.causal_attention_available():
+        raise SystemExit("needs the native extension (make install) and an AVX2 CPU")
+    print(f"\ncpu={cpu_kind()}  threads={args.threads}  torch {torch.__version__}  (ms per layer, best of 20 or 3)")
+    print("| cpu | cache | case | ours | torch |")
+    print("|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for label, start, rows in CASES:
+            length = start + rows + 64
+            q = torch.randn(rows, 9, 64).to(dtype)
+            keys, values = torch.randn(3, length, 64).to(dtype), torch.randn(3, length, 64).to(dtype)
+            repeats = 20 if rows < 100 else 3
+            ours = best_ms(lambda: native.causal_attention(q, keys, values, start), repeats)
+            theirs = best_ms(lambda: torch_attention(q, keys, values, start), repeats)
+            print(f"| {cpu_kind()} | {str(dtype).removeprefix('torch.')} | {label} | {ours:.2f} | {theirs:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
