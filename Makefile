@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The C++ decode-layer loop (dflash/engine/native): built with the machine's compiler; without one
 # (or if the build fails) the engine runs its Python path, so this never stops `make serve`.
-$(NATIVE): dflash/engine/native/decode_layers.cpp dflash/engine/native/quantized_linear.cpp dflash/engine/native/causal_attention.cpp $(VENV)/.installed
+$(NATIVE): $(wildcard dflash/engine/native/*.cpp dflash/engine/native/*.h) $(VENV)/.installed
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python -m dflash.engine.native || echo "native decode loop not built: the Python path will be used"
 	mkdir -p $(dir $@) && touch $@
 

@@ -39,9 +39,10 @@ ARCHITECTURES = {
 }
 
 
-def tiny_hf_model(name: str, seed: int = 0):
+def tiny_hf_model(name: str, seed: int = 0, **sizes):
+    """`sizes` override COMMON's (e.g. hidden_size), for tests that need wider layers."""
     config_class, model_class, extra = ARCHITECTURES[name]
-    config = config_class(**COMMON, **extra)
+    config = config_class(**{**COMMON, **sizes}, **extra)
     config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
     model = model_class(config).eval()

@@ -19,7 +19,8 @@ import torch
 
 log = structlog.get_logger("dflash.native")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_layers.cpp", "quantized_linear.cpp", "causal_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_layers.cpp", "quantized_linear.cpp", "causal_attention.cpp", "step_pool.cpp")]
+HEADERS = [Path(__file__).with_name("step_pool.h")]
 BUILD_DIR = Path(__file__).with_name("build")
 NAME = "dflash_decode_layers"
 
@@ -28,7 +29,11 @@ def build() -> Path:
     from torch.utils.cpp_extension import load
 
     BUILD_DIR.mkdir(exist_ok=True)
-    load(NAME, [str(source) for source in SOURCES], build_directory=str(BUILD_DIR), extra_cflags=["-O2"], verbose=False)
+    # -fopenmp: at::parallel_for is a header template that runs serially in code compiled without
+    # it (the kernels ran on one thread whatever torch's thread count). The library it links,
+    # libgomp.so.1, resolves to the copy torch has already loaded, so one OpenMP runtime runs.
+    load(NAME, [str(source) for source in SOURCES], build_directory=str(BUILD_DIR), extra_cflags=["-O2", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], verbose=False)
     return built_library()
 
 
@@ -45,7 +50,7 @@ def extension():
     library = built_library()
     if library is None:
         return None
-    if library.stat().st_mtime < max(source.stat().st_mtime for source in SOURCES):
+    if library.stat().st_mtime < max(source.stat().st_mtime for source in SOURCES + HEADERS):
         log.warning("native_stale", library=str(library), fix="run `make install` to rebuild; using Python")
         return None
     try:

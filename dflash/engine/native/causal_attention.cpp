@@ -21,6 +21,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "step_pool.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -232,16 +234,18 @@ template <int D, typename QT, typename KT>
 void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head_stride, int64_t L, int64_t KV, KT* out) {
   const int64_t R = rows.count(), S = D + 2, chunks = (rows.position(R - 1) + kChunk) / kChunk;
   auto output_row = [&](int64_t h, int64_t i) { return out + ((i / rows.G) * rows.H + h * rows.G + i % rows.G) * D; };
+  // multiply-adds of the scores and the weighted values (rows attend to up to their position)
+  const bool worth_waking = 2 * KV * R * (rows.position(R - 1) + 1) * D >= step_pool::kWorthWakingMacs;
   if (R <= kFewRows) {  // every (head, chunk) a task, then merge per row in chunk order
     auto partials = partial_buffer(KV * chunks * R, D);
-    at::parallel_for(0, KV * chunks, 1, [&](int64_t begin, int64_t end) {
+    step_pool::parallel_for(KV * chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task / chunks, c = task % chunks;
         chunk_partials<D>(rows, h, 0, R, c, keys + h * head_stride, values + h * head_stride, L,
                        partials.get() + (h * chunks + c) * R * S);
       }
-    });
-    at::parallel_for(0, KV * R, 1, [&](int64_t begin, int64_t end) {
+    }, worth_waking);
+    step_pool::parallel_for(KV * R, 1, [&](int64_t begin, int64_t end) {
       auto state_buffer = partial_buffer(1, D);
       const Partial state{state_buffer.get()};
       for (int64_t task = begin; task < end; ++task) {
@@ -250,11 +254,11 @@ void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head
         for (int64_t c = 1; c <= last_chunk; ++c) merge(state, Partial{partials.get() + ((h * chunks + c) * R + i) * S}, D);
         finish(state, output_row(h, i), D);
       }
-    });
+    }, worth_waking);
     return;
   }
   const int64_t per_task = kTokensPerTask * rows.G, blocks = (R + per_task - 1) / per_task;
-  at::parallel_for(0, KV * blocks, 1, [&](int64_t begin, int64_t end) {
+  step_pool::parallel_for(KV * blocks, 1, [&](int64_t begin, int64_t end) {
     auto states = partial_buffer(per_task, D), next = partial_buffer(per_task, D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, first = (task % blocks) * per_task, last = std::min(R, first + per_task);
@@ -268,7 +272,7 @@ void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head
       }
       for (int64_t i = first; i < last; ++i) finish(Partial{states.get() + (i - first) * S}, output_row(h, i), D);
     }
-  });
+  }, worth_waking);
 }
 
 }  // namespace

@@ -6,7 +6,11 @@
 // bit-identical to the Python path (tests/model/test_native.py) and only the overhead goes.
 #include <torch/extension.h>
 
+#include "step_pool.h"
+
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,6 +122,13 @@ std::vector<at::Tensor> decode_layers(
   at::NoGradGuard no_grad;
   const int64_t layers = keys.size(0), T = x.size(0), H = num_heads, KV = num_kv_heads, D = head_dim;
   const bool qk_norm = !qk_norms.empty();
+  // Our kernels' threads spin through the step only where every parallel loop of it is ours: torch's
+  // own (dense linears, its attention) wake OpenMP threads, which would queue behind the spinners.
+  const bool all_ours = our_attention && std::all_of(kinds.begin(), kinds.end(), [](int64_t kind) {
+    return kind == kInt8Dot || kind == kInt4Dot;
+  });
+  std::optional<step_pool::AwakeScope> awake;
+  if (all_ours) awake.emplace();
   std::vector<at::Tensor> captured;
   size_t next_capture = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -179,6 +190,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("codes"), arg("scales"));
   m.def("int8_matmul", &int8_matmul, "x [M, K] bf16 . int8 weights (quant.py's layout) -> [M, N] bf16",
         arg("x"), arg("codes"), arg("scales"));
+  m.def("step_pool_loops", &step_pool::loops_run, "parallel loops run by step_pool.cpp's spinning workers so far");
   m.def("causal_attention_available", &causal_attention_available, "whether this CPU runs causal_attention (AVX2 + FMA)");
   m.def("causal_attention", &causal_attention,
         "q [T, H, D] at positions start.. over keys/values [KV, L, D] -> [T, H, D], row-invariant (causal_attention.cpp)",

@@ -22,6 +22,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "step_pool.h"
+
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -496,7 +498,7 @@ struct Aligned {  // 64-byte aligned scratch
 template <bool Int4>
 void amx_matmul(const QuantizedRows& x, int64_t M, const uint8_t* codes, const void* scales, at::BFloat16* y,
                 int64_t N) {
-  at::parallel_for(0, N / kChannels, 4, [&](int64_t begin, int64_t end) {
+  step_pool::parallel_for(N / kChannels, 4, [&](int64_t begin, int64_t end) {
     Aligned<float> totals(4 * M * kChannels);
     Aligned<uint8_t> unpacked(4 * 512);
     Aligned<int32_t> sums(4 * 256);
@@ -510,7 +512,7 @@ void amx_matmul(const QuantizedRows& x, int64_t M, const uint8_t* codes, const v
       }
     }
     release_tiles();
-  });
+  }, M * N * x.K >= step_pool::kWorthWakingMacs);
 }
 
 enum class Isa { kAvx2, kVnni, kAmx };
@@ -540,7 +542,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const 
     else amx_matmul<false>(rows, M, packed, scales.data_ptr<float>(), out, N);
     return y;
   }
-  at::parallel_for(0, N / kChannels, 8, [&](int64_t begin, int64_t end) {
+  step_pool::parallel_for(N / kChannels, 8, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       if (int4) {
         const auto* group_scales = scales.data_ptr<at::BFloat16>();
@@ -567,7 +569,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const 
         });
       }
     }
-  });
+  }, M * N * K >= step_pool::kWorthWakingMacs);
   return y;
 }
 
