@@ -1,10 +1,14 @@
-"""Cost of one decode step and one verification forward (1 + 7 rows), per weight format.
+"""Cost of one decode step and one verification forward (1 + 7 rows), per weight format and context.
 
-Best of `--repeats` forwards at a 256-token context, rolled back after each. With `--threads 1` it
-reports the thread's CPU time, which another process on a shared VM does not inflate the way it
-inflates wall time (memory bandwidth stays shared); with more threads, wall time.
+Best of `--repeats` forwards at each context of `--contexts` (default 256), rolled back after each.
+Up to 1024 tokens the context is a real prefill; past that the first 1024 positions' keys and values
+are copied over the rest of the cache (a step's cost does not depend on what the keys hold, and a 16K
+prefill would take minutes here). With `--threads 1` it reports the thread's CPU time, which another
+process on a shared VM does not inflate the way it inflates wall time (memory bandwidth stays
+shared); with more threads, wall time.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/step.py [--weights bf16,int8,int4] [--threads 1]
+        [--contexts 1024,16384]
     DFLASH_NATIVE=0 ... bench/step.py      # the Python decode loop, for comparison
 """
 
@@ -21,22 +25,35 @@ import torch  # noqa: E402
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
 
-CONTEXT = 256
+REAL_CONTEXT = 1024  # longest context filled by a real prefill
 
 
-def load(source: str, weights: str, threads: int):
+def load(source: str, weights: str, threads: int, max_ctx: int):
     try:
-        return load_model(source, weights=weights, max_ctx=1024, threads=threads)
+        return load_model(source, weights=weights, max_ctx=max_ctx, threads=threads)
     except TypeError:  # a checkout from before weight formats: only bf16 and fp32, as dtypes
-        return load_model(source, dtype={"bf16": "bfloat16", "fp32": "float32"}[weights], max_ctx=1024, threads=threads)
+        return load_model(source, dtype={"bf16": "bfloat16", "fp32": "float32"}[weights], max_ctx=max_ctx, threads=threads)
 
 
-def best_ms(model, kv, tokens: torch.Tensor, rows: int, repeats: int, clock) -> float:
+def fill(model, kv, context: int) -> None:
+    """Positions 0..context-1 of the cache hold keys and values: a real prefill of up to REAL_CONTEXT
+    tokens, then copies of those rows."""
+    real = min(context, REAL_CONTEXT)
+    model(torch.arange(100, 100 + real), 0, kv)
+    for start in range(real, context, real):
+        end = min(start + real, context)
+        kv.keys[:, :, start:end] = kv.keys[:, :, : end - start]
+        kv.values[:, :, start:end] = kv.values[:, :, : end - start]
+    kv.length = context
+
+
+def best_ms(model, kv, context: int, rows: int, repeats: int, clock) -> float:
+    tokens = torch.arange(200, 200 + rows)
     fastest = float("inf")
     for _ in range(repeats):
-        kv.length = CONTEXT
+        kv.length = context
         started = clock()
-        model(tokens[CONTEXT : CONTEXT + rows], CONTEXT, kv, logits_positions=None)
+        model(tokens, context, kv, logits_positions=None)
         fastest = min(fastest, clock() - started)
     return fastest * 1000
 
@@ -47,19 +64,21 @@ def main() -> None:
     parser.add_argument("--weights", default="fp32,bf16,int8,int4")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--contexts", default="256", help="context lengths, comma-separated")
     args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     rows = []
     for weights in args.weights.split(","):
-        loaded = load(args.model, weights, args.threads)
+        loaded = load(args.model, weights, args.threads, max(contexts) + 8)
         model = loaded.engine.model
-        kv = model.new_kv_cache(1024)
-        tokens = torch.arange(100, 100 + CONTEXT + 8)
-        model(tokens[:CONTEXT], 0, kv)
-        best_ms(model, kv, tokens, 8, 3, clock)  # warm-up
-        one = min(best_ms(model, kv, tokens, 1, args.repeats, clock) for _ in range(2))
-        eight = min(best_ms(model, kv, tokens, 8, args.repeats, clock) for _ in range(2))
-        rows.append((weights, one, eight))
+        kv = model.new_kv_cache(max(contexts) + 8)
+        for context in contexts:
+            fill(model, kv, context)
+            best_ms(model, kv, context, 8, 3, clock)  # warm-up
+            one = min(best_ms(model, kv, context, 1, args.repeats, clock) for _ in range(2))
+            eight = min(best_ms(model, kv, context, 8, args.repeats, clock) for _ in range(2))
+            rows.append((weights, context, one, eight))
         del loaded, model, kv
     try:
         from dflash.engine.native import extension
@@ -68,12 +87,15 @@ def main() -> None:
     except ImportError:  # a checkout from before the native loop
         loop = "python"
     measure = "thread CPU time" if args.threads == 1 else "wall time"
-    print(f"\ncpu={cpu_kind()}  threads={args.threads} ({measure})  decode loop={loop}  context={CONTEXT}  "
+    print(f"\ncpu={cpu_kind()}  threads={args.threads} ({measure})  decode loop={loop}  "
           f"torch {torch.__version__}  load {os.getloadavg()[0]:.2f}")
-    print("| weights | decode step | tok/s equivalent | verify 1+7 rows | ratio |")
-    print("|---|---|---|---|---|")
-    for weights, one, eight in rows:
-        print(f"| {weights} | {one:.1f} ms | {1000 / one:.1f} | {eight:.1f} ms | {eight / one:.2f}x |")
+    print("| weights | context | decode step | tok/s equivalent | vs the first context | verify 1+7 rows | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    first = {}
+    for weights, context, one, eight in rows:
+        first.setdefault(weights, one)
+        print(f"| {weights} | {context} | {one:.1f} ms | {1000 / one:.1f} | {first[weights] / one:.0%} | {eight:.1f} ms "
+              f"| {eight / one:.2f}x |")
 
 
 if __name__ == "__main__":

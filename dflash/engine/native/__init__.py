@@ -29,11 +29,17 @@ def build() -> Path:
     from torch.utils.cpp_extension import load
 
     BUILD_DIR.mkdir(exist_ok=True)
+    sources = [str(source) for source in SOURCES]
     # -fopenmp: at::parallel_for is a header template that runs serially in code compiled without
     # it (the kernels ran on one thread whatever torch's thread count). The library it links,
     # libgomp.so.1, resolves to the copy torch has already loaded, so one OpenMP runtime runs.
-    load(NAME, [str(source) for source in SOURCES], build_directory=str(BUILD_DIR), extra_cflags=["-O2", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], verbose=False)
+    try:
+        load(NAME, sources, build_directory=str(BUILD_DIR), extra_cflags=["-O2", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError) as exc:  # a compiler without OpenMP: decode steps still use
+        # step_pool.cpp's own threads; loops outside a step (prefill) run on one thread
+        log.warning("native_without_openmp", error=str(exc).splitlines()[-1] if str(exc) else repr(exc))
+        load(NAME, sources, build_directory=str(BUILD_DIR), extra_cflags=["-O2"], verbose=False)
     return built_library()
 
 

@@ -1,6 +1,6 @@
 // Threads that stay awake through one decode step (step_pool.cpp).
 //
-// A decode step of a small model is ~250 short parallel loops of 10-100 us each. torch's OpenMP
+// A decode step of a small model is ~200 short parallel loops of 10-100 us each. torch's OpenMP
 // threads sleep between loops under OMP_WAIT_POLICY=PASSIVE (which 2-core machines need, or idle
 // spinning threads starve everything else), and waking them costs about as much as the loop saves:
 // two threads decoded no faster than one. Inside an AwakeScope the pool's workers spin between
