@@ -42,6 +42,7 @@ constexpr int64_t kChunk = 256;      // key positions per partial; fixed, so res
 constexpr int64_t kMaxDim = 256;     // the largest head_dim served
 constexpr int64_t kFewRows = 64;     // up to this many query rows per KV head: parallel over chunks
 constexpr int64_t kTokensPerTask = 4;  // many rows: tokens per task (x G query heads)
+constexpr int64_t kPrefetchKeys = 32;  // keys (and values) ahead that are prefetched
 
 bool cpu_has_avx2_fma() {
   __builtin_cpu_init();
@@ -89,6 +90,14 @@ AVX2_TARGET inline __m256 sums_of_eight(const __m256* v) {
   return _mm256_add_ps(low, high);
 }
 
+// The 4 sums of 4 vectors, lane i = sum_of(v[i]) computed with the same tree (hadd pairs lanes
+// (0,1),(2,3) within each 128-bit half, which is (0+1)+(2+3) and (4+5)+(6+7), then the halves):
+// used for 4 keys' scores at once; sum_of is never used for scores.
+AVX2_TARGET inline __m128 sums_of_four(const __m256* v) {
+  __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(ab), _mm256_extractf128_ps(ab, 1));
+}
+
 template <typename T>
 AVX2_TARGET inline __m256 load8(const T* p);
 
@@ -126,10 +135,94 @@ struct Rows {
   const QT* query(int64_t h, int64_t i) const { return q + ((i / G) * H + h * G + i % G) * D; }
 };
 
-// Partials of rows [first, last) of KV head h over chunk c (rows whose position is below the chunk
-// are left alone). keys/values: [L, D] of this head; `scratch` holds 8 fp32 keys or values.
+// Partials of NR rows of one token (same position) over keys [begin, end) of a chunk: scores for
+// keys begin.. in groups of 4 (keys at or past `end` read as zeros; scores past a row's position
+// are masked below), the softmax, then the values. Each key and value vector is loaded (and
+// converted from bf16) once for the NR rows; every row's arithmetic is the fixed sequence of
+// the header comment whatever NR is: accumulations over D blocks in order, one tree per score,
+// values added in key order.
+template <int D, int NR, typename KT>
+AVX2_TARGET void token_partials(const float* queries, float scale, int64_t seen, int64_t begin, int64_t end,
+                                const KT* keys, const KT* values, float* scores, float* out) {
+  constexpr int blocks = D / 8;
+  const int64_t stop = begin + seen;  // keys these rows see
+  for (int64_t j0 = begin; j0 < stop; j0 += 4) {
+    __m256 acc[NR][4];
+    UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
+    if (j0 + 4 <= end) {
+      // the hardware prefetcher falls behind a stream read at this pace (measured: 4 GB/s of keys)
+      for (int64_t line = 0; line < 4 * D * int64_t(sizeof(KT)); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
+      UNROLLED for (int b = 0; b < blocks; ++b) {
+        __m256 q[NR];
+        UNROLLED for (int r = 0; r < NR; ++r) q[r] = _mm256_loadu_ps(queries + r * D + 8 * b);
+        UNROLLED for (int k = 0; k < 4; ++k) {
+          const __m256 key = load8(keys + (j0 + k) * D + 8 * b);
+          UNROLLED for (int r = 0; r < NR; ++r) acc[r][k] = _mm256_fmadd_ps(q[r], key, acc[r][k]);
+        }
+      }
+    } else {  // the chunk's last keys: those at or past `end` are zeros (never read)
+      UNROLLED for (int b = 0; b < blocks; ++b) {
+        __m256 q[NR];
+        UNROLLED for (int r = 0; r < NR; ++r) q[r] = _mm256_loadu_ps(queries + r * D + 8 * b);
+        for (int k = 0; k < 4; ++k) {
+          const __m256 key = j0 + k < end ? load8(keys + (j0 + k) * D + 8 * b) : _mm256_setzero_ps();
+          UNROLLED for (int r = 0; r < NR; ++r) acc[r][k] = _mm256_fmadd_ps(q[r], key, acc[r][k]);
+        }
+      }
+    }
+    UNROLLED for (int r = 0; r < NR; ++r)
+      _mm_storeu_ps(scores + r * kChunk + (j0 - begin), _mm_mul_ps(sums_of_four(acc[r]), _mm_set1_ps(scale)));
+  }
+  // softmax over each row's visible keys of this chunk
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < NR; ++r) {
+    float* s = scores + r * kChunk;
+    __m256 running_max = minus_inf;
+    for (int64_t j = 0; j < seen; j += 8) {
+      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+      running_max = _mm256_max_ps(running_max, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + j), visible));
+    }
+    const float m = max_of(running_max);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 8) {
+      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+      __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m))), visible);
+      _mm256_storeu_ps(s + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    const Partial p{out + r * (D + 2)};
+    p.m() = m;
+    p.l() = sum_of(total);
+  }
+  // o = sum over visible keys, in key order, of e_j v_j: a slice of up to 4 vectors of D at a time
+  constexpr int slice = blocks < 4 ? blocks : 4;
+  for (int b0 = 0; b0 < blocks; b0 += slice) {
+    __m256 o[NR][slice];
+    UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int b = 0; b < slice; ++b) o[r][b] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; ++j) {
+      if (b0 == 0 && (j * D * int64_t(sizeof(KT))) % 64 == 0) {
+        for (int64_t line = 0; line < D * int64_t(sizeof(KT)); line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(values + (begin + j + kPrefetchKeys) * D) + line, _MM_HINT_T0);
+      }
+      __m256 value[slice];
+      UNROLLED for (int b = 0; b < slice; ++b) value[b] = load8(values + (begin + j) * D + 8 * (b0 + b));
+      UNROLLED for (int r = 0; r < NR; ++r) {
+        const __m256 e = _mm256_set1_ps(scores[r * kChunk + j]);
+        UNROLLED for (int b = 0; b < slice; ++b) o[r][b] = _mm256_fmadd_ps(e, value[b], o[r][b]);
+      }
+    }
+    UNROLLED for (int r = 0; r < NR; ++r)
+      UNROLLED for (int b = 0; b < slice; ++b) _mm256_storeu_ps(out + r * (D + 2) + 2 + 8 * (b0 + b), o[r][b]);
+  }
+}
+
+// Partials of rows [first, last) of KV head h over chunk c when they are several tokens (a
+// verification, a prefill task): each block of 8 keys converted once for all rows (rows whose
+// position is below the chunk are left alone). keys/values: [L, D] of this head; `scratch` holds 8 fp32 keys or values.
 template <int D, typename QT, typename KT>
-AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, int64_t last, int64_t c,
+AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first, int64_t last, int64_t c,
                                 const KT* keys, const KT* values, int64_t L, float* out) {  // out: row first's partial
   constexpr int blocks = D / 8;
   const int64_t begin = c * kChunk;
@@ -205,6 +298,44 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
       UNROLLED for (int b = 0; b < blocks; ++b) o[b] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * b), o[b]);
     }
     UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(p.o() + 8 * b, o[b]);
+  }
+}
+
+// Partials of rows [first, last) of KV head h over chunk c (rows whose position is below the chunk
+// are left alone); first and last are token boundaries (multiples of G). keys/values: [L, D] of
+// this head; out: row first's partial, then the next rows'. One token's rows (a decode step) read
+// the cache once, with prefetch (token_partials); several tokens' rows convert each block of keys
+// once for all of them (tokens_partials; measured faster there). Both compute the same bits.
+template <int D, typename QT, typename KT>
+AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, int64_t last, int64_t c,
+                                const KT* keys, const KT* values, int64_t L, float* out) {
+  if (rows.position(first) != rows.position(last - 1)) {
+    tokens_partials<D>(rows, h, first, last, c, keys, values, L, out);
+    return;
+  }
+  constexpr int blocks = D / 8;
+  constexpr int kRowsAtOnce = 3;  // rows of one token sharing each key and value load
+  const int64_t begin = c * kChunk;
+  const int64_t end = std::min({begin + kChunk, rows.position(last - 1) + 1, L});  // keys any row here sees
+  alignas(32) float queries[kRowsAtOnce * D];
+  alignas(32) float scores[kRowsAtOnce * kChunk];
+  for (int64_t i = first; i < last;) {
+    const int64_t token_end = (i / rows.G + 1) * rows.G;  // rows of this token: [i, token_end)
+    const int64_t n = std::min<int64_t>({kRowsAtOnce, token_end - i, last - i});
+    const int64_t seen = std::min(end, rows.position(i) + 1) - begin;  // keys of this chunk these rows see
+    if (seen > 0) {
+      for (int64_t r = 0; r < n; ++r) {
+        const QT* q = rows.query(h, i + r);
+        UNROLLED for (int b = 0; b < blocks; ++b) _mm256_store_ps(queries + r * D + 8 * b, load8(q + 8 * b));
+      }
+      float* partial = out + (i - first) * (D + 2);
+      switch (n) {
+        case 3: token_partials<D, 3>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
+        case 2: token_partials<D, 2>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
+        default: token_partials<D, 1>(queries, rows.scale, seen, begin, end, keys, values, scores, partial);
+      }
+    }
+    i += n;
   }
 }
 

@@ -14,6 +14,8 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <atomic>
 #include <condition_variable>
 #include <exception>
@@ -179,8 +181,9 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
 int64_t loops_run() { return loops.load(std::memory_order_relaxed); }
 
 AwakeScope::AwakeScope() : active_(false) {
+  static const bool enabled = std::getenv("DFLASH_STEP_POOL") == nullptr || std::string(std::getenv("DFLASH_STEP_POOL")) != "0";
   const int threads = at::get_num_threads();
-  if (threads < 2 || holding) return;
+  if (!enabled || threads < 2 || holding) return;
   bool expected = false;
   if (!held.compare_exchange_strong(expected, true)) return;
   pool_with(threads).set_awake(true);
