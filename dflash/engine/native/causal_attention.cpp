@@ -135,6 +135,29 @@ struct Rows {
   const QT* query(int64_t h, int64_t i) const { return q + ((i / G) * H + h * G + i % G) * D; }
 };
 
+// A row's softmax over the `seen` keys it sees in a chunk: scores s become e_j = exp(s_j - m) in
+// place (zero past `seen` up to the next multiple of 8), m and l = sum e_j go into the partial.
+// Never inlined, so the decode path and the several-token path run the same instructions (see merge).
+__attribute__((noinline)) AVX2_TARGET void chunk_softmax(float* s, int64_t seen, const Partial& p) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 running_max = minus_inf;
+  for (int64_t j = 0; j < seen; j += 8) {
+    __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+    running_max = _mm256_max_ps(running_max, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + j), visible));
+  }
+  const float m = max_of(running_max);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < seen; j += 8) {
+    __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+    __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m))), visible);
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  p.m() = m;
+  p.l() = sum_of(total);
+}
+
 // Partials of NR rows of one token (same position) over keys [begin, end) of a chunk: scores for
 // keys begin.. in groups of 4 (keys at or past `end` read as zeros; scores past a row's position
 // are masked below), the softmax, then the values. Each key and value vector is loaded (and
@@ -174,28 +197,7 @@ AVX2_TARGET void token_partials(const float* queries, float scale, int64_t seen,
     UNROLLED for (int r = 0; r < NR; ++r)
       _mm_storeu_ps(scores + r * kChunk + (j0 - begin), _mm_mul_ps(sums_of_four(acc[r]), _mm_set1_ps(scale)));
   }
-  // softmax over each row's visible keys of this chunk
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int r = 0; r < NR; ++r) {
-    float* s = scores + r * kChunk;
-    __m256 running_max = minus_inf;
-    for (int64_t j = 0; j < seen; j += 8) {
-      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
-      running_max = _mm256_max_ps(running_max, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + j), visible));
-    }
-    const float m = max_of(running_max);
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < seen; j += 8) {
-      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
-      __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m))), visible);
-      _mm256_storeu_ps(s + j, e);
-      total = _mm256_add_ps(total, e);
-    }
-    const Partial p{out + r * (D + 2)};
-    p.m() = m;
-    p.l() = sum_of(total);
-  }
+  for (int r = 0; r < NR; ++r) chunk_softmax(scores + r * kChunk, seen, Partial{out + r * (D + 2)});
   // o = sum over visible keys, in key order, of e_j v_j: a slice of up to 4 vectors of D at a time
   constexpr int slice = blocks < 4 ? blocks : 4;
   for (int b0 = 0; b0 < blocks; b0 += slice) {
@@ -272,24 +274,8 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     const int64_t seen = std::min(end, positions[i - first] + 1) - begin;  // keys of this chunk row i sees
     if (seen <= 0) continue;
     float* s = all_scores + (i - first) * kChunk;
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    __m256 running_max = minus_inf;
-    for (int64_t j = 0; j < seen; j += 8) {
-      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
-      running_max = _mm256_max_ps(running_max, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + j), visible));
-    }
-    const float m = max_of(running_max);
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < seen; j += 8) {
-      __m256 visible = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
-      __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m))), visible);
-      _mm256_storeu_ps(s + j, e);
-      total = _mm256_add_ps(total, e);
-    }
     const Partial p{out + (i - first) * (D + 2)};
-    p.m() = m;
-    p.l() = sum_of(total);
+    chunk_softmax(s, seen, p);
     __m256 o[blocks];
     UNROLLED for (int b = 0; b < blocks; ++b) o[b] = _mm256_setzero_ps();
     for (int64_t j = 0; j < seen; ++j) {
