@@ -222,7 +222,7 @@ AVX2_TARGET void token_partials(const float* queries, float scale, int64_t seen,
 
 // Partials of rows [first, last) of KV head h over chunk c when they are several tokens (a
 // verification, a prefill task): each block of 8 keys converted once for all rows (rows whose
-// position is below the chunk are left alone). keys/values: [L, D] of this head; `scratch` holds 8 fp32 keys or values.
+// position is below the chunk are left alone). keys/values: [L, D] of this head.
 template <int D, typename QT, typename KT>
 AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first, int64_t last, int64_t c,
                                 const KT* keys, const KT* values, int64_t L, float* out) {  // out: row first's partial
