@@ -14,7 +14,11 @@ Every case runs with compression off, then at each keep ratio (`compression = "a
 compressor each time, the live state not reused: nothing is cached between runs). A case passes
 when the first 7-digit number of the greedy 8-token reply is the needle's value; "needle kept"
 counts cases whose whole needle line survived the selection (model-independent); TTFT is from
-`start` to the first generated token, scoring included.
+`start` to the first generated token, scoring included. `--off-cases N` runs the uncompressed
+prompt for only the first N cases of each length (an uncompressed 32K case takes a quarter of an
+hour on a 2-core AVX2 VM); the speed-up column compares mean TTFTs. `--results FILE` appends each
+run to a JSON-lines file and skips the runs it already holds for the same command and CPU kind, so
+a long table is filled over several sittings: rerun the same command to go on.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/niah.py --lengths 4096,8192 --cases 10
 """
@@ -22,6 +26,7 @@ counts cases whose whole needle line survived the selection (model-independent);
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -90,43 +95,85 @@ def run_case(engine, tokenizer, case: dict, keep_positions: bool = False) -> dic
             "scoring": generation.stats.scoring_ms / 1000, "prefilled": generation.stats.prefilled_tokens}
 
 
+class RecordedRuns:
+    """The runs of one command (`settings`) in a JSON-lines file: those already there, and each new
+    one appended as soon as it is done (an interrupted bench loses at most the run in progress)."""
+
+    def __init__(self, path: Path | None, settings: dict):
+        self.path = path
+        self.settings = settings
+        self.runs: dict[tuple, dict] = {}
+        if path is not None and path.exists():
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                if record.pop("settings") == settings:
+                    self.runs[record.pop("length"), record.pop("mode"), record.pop("case")] = record
+
+    def get(self, length: int, mode: str, case: int) -> dict | None:
+        return self.runs.get((length, mode, case))
+
+    def add(self, length: int, mode: str, case: int, result: dict) -> None:
+        self.runs[length, mode, case] = result
+        if self.path is not None:
+            with self.path.open("a") as out:
+                out.write(json.dumps({"settings": self.settings, "length": length, "mode": mode, "case": case,
+                                      **result}) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", default="auto", help="weight format, as [model] weights")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lengths", default="4096,8192,16384,32768")
     parser.add_argument("--cases", type=int, default=40)
     parser.add_argument("--ratios", default="0.1,0.2,0.3")
     parser.add_argument("--no-off", action="store_true", help="skip the uncompressed runs")
+    parser.add_argument("--off-cases", type=int, default=None,
+                        help="run uncompressed only the first N cases of each length (a 32K full prefill is long)")
     parser.add_argument("--scorer", default=CompressionSettings().scorer, help="self:N")
+    parser.add_argument("--scorer-window", type=int, default=CompressionSettings().scorer_window,
+                        help="the scorer's attention window in tokens, 0 = whole prompt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-positions", action="store_true",
                         help="compressed prompts keep their original position ids (measuring only)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="JSON lines: each run appended; runs already there are not run again")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     ratios = [float(x) for x in args.ratios.split(",")]
     # Unscaled RoPE up to the trained 8K (YaRN costs retrieval even inside it; README, long context).
     max_ctx = max(8192, max(lengths) + ANSWER_TOKENS + 8)
-    loaded = load_model(args.model, dtype=args.dtype, max_ctx=max_ctx, threads=args.threads, reuse_live_state=False)
+    loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads, reuse_live_state=False)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     layers = self_scorer_layers(args.scorer)
-    scorer = AttentionScorer(engine.model, layers)
+    scorer = AttentionScorer(engine.model, layers, window=args.scorer_window)
     cases = make_cases(tokenizer, lengths, args.cases, args.seed)
-    print(f"cpu {cpu_kind()}, {args.dtype}, {args.threads} threads, scorer {args.scorer}, max_ctx {max_ctx}, "
+    print(f"cpu {cpu_kind()}, weights {loaded.weights}, {args.threads} threads, scorer {args.scorer} "
+          f"window {args.scorer_window or 'whole'}, max_ctx {max_ctx}, "
           f"rope {engine.model.args.rope_scaling}, {args.cases} cases per length", flush=True)
+    recorded = RecordedRuns(args.results, {
+        "cpu": cpu_kind(), "weights": loaded.weights, "threads": args.threads, "lengths": args.lengths,
+        "cases": args.cases, "seed": args.seed, "scorer": args.scorer, "window": args.scorer_window,
+        "keep_positions": args.keep_positions})
     rows = []
     for length in lengths:
         modes = ([] if args.no_off else ["off"]) + [f"keep {r}" for r in ratios]
         results: dict[str, list[dict]] = {mode: [] for mode in modes}
         for index, case in enumerate(cases[length]):
             for mode in modes:  # interleaved: a shared machine's load changes over minutes
-                if mode == "off":
-                    engine.compressor = None
-                else:
-                    settings = CompressionSettings(mode="always", keep_ratio=float(mode.split()[1]), scorer=args.scorer)
-                    engine.compressor = PromptCompressor(settings, scorer)
-                result = run_case(engine, tokenizer, case, args.keep_positions and mode != "off")
+                if mode == "off" and args.off_cases is not None and index >= args.off_cases:
+                    continue
+                result = recorded.get(length, mode, index)
+                if result is None:
+                    if mode == "off":
+                        engine.compressor = None
+                    else:
+                        settings = CompressionSettings(mode="always", keep_ratio=float(mode.split()[1]),
+                                                       scorer=args.scorer, scorer_window=args.scorer_window)
+                        engine.compressor = PromptCompressor(settings, scorer)
+                    result = run_case(engine, tokenizer, case, args.keep_positions and mode != "off")
+                    recorded.add(length, mode, index, result)
                 results[mode].append(result)
                 print(f"  {length} {mode} case {index} depth {case['depth']:.2f}: pass {result['pass']} "
                       f"kept {result['needle_kept']} ttft {result['ttft']:.1f} s", flush=True)
@@ -138,7 +185,8 @@ def main() -> None:
                          sum(r["prefilled"] for r in runs) / n, ttft, sum(r["scoring"] for r in runs) / n,
                          off_ttft / ttft))
     positions = "original position ids" if args.keep_positions else "renumbered positions"
-    print(f"\ncpu {cpu_kind()}, scorer {args.scorer}, {positions}, {args.cases} cases per length\n")
+    print(f"\ncpu {cpu_kind()}, weights {loaded.weights}, scorer {args.scorer} window {args.scorer_window or 'whole'}, "
+          f"{positions}, {args.cases} cases per length\n")
     print("| length | mode | pass | needle kept | prefilled tokens | TTFT s | scoring s | TTFT speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     for length, mode, passed, kept, n, prefilled, ttft, scoring, speedup in rows:

@@ -81,7 +81,8 @@ def compression_settings(prefill):
     from dflash.engine.pflash import CompressionSettings
 
     return CompressionSettings(mode=prefill.compression, threshold_tokens=prefill.threshold_tokens,
-                               keep_ratio=prefill.keep_ratio, chunk_tokens=prefill.chunk_tokens, scorer=prefill.scorer)
+                               keep_ratio=prefill.keep_ratio, chunk_tokens=prefill.chunk_tokens, scorer=prefill.scorer,
+                               scorer_window=prefill.scorer_window)
 
 
 def limits_of(config: Config) -> Limits:

@@ -149,6 +149,9 @@ class PrefillConfig:
     keep_ratio: float = attrs.field(default=0.2, validator=_number_range("a ratio", 0.0, 1.0, low_inclusive=False))
     chunk_tokens: int = attrs.field(default=32, validator=_ints(1, 4096))
     scorer: str = attrs.field(default="self:8", validator=_scorer)
+    # The scorer's tokens attend over the prompt's first tokens and this many before their chunk
+    # (its cost then grows linearly with the prompt); 0: over the whole prompt.
+    scorer_window: int = attrs.field(default=1024, validator=_ints(0))
 
 
 @attrs.frozen

@@ -346,7 +346,7 @@ def prompt_compressor(settings: CompressionSettings, model, backend: str, cache:
     if layers > scorer_model.args.num_layers:
         raise ModelLoadError(f"scorer {settings.scorer!r}: the model has only {scorer_model.args.num_layers} layers")
     return PromptCompressor(settings, AttentionScorer(scorer_model, layers, lookahead=settings.lookahead,
-                                                      pre_rope=settings.pre_rope))
+                                                      pre_rope=settings.pre_rope, window=settings.scorer_window))
 
 
 def resolve_source(source: str, cache: Path) -> tuple[str, Path]:

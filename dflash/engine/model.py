@@ -565,12 +565,18 @@ def build_transformer(args: ModelArgs, state: dict[str, Tensor], dtype: torch.dt
 
 @torch.inference_mode()
 def first_layers_with_queries(model: Transformer, tokens: Tensor, start: int, kv: KVCache, num_layers: int,
-                              query_rows: int = 0) -> tuple[Tensor, Tensor] | None:
+                              query_rows: int = 0, cache_start: int | None = None) -> tuple[Tensor, Tensor] | None:
     """Speculative prefill's scorer (pflash.py): only the first `num_layers` decoder layers over
     `tokens` [T] at positions start..start+T-1, their keys and values written to `kv` (a cache of
-    at least that many layers). Returns the queries of the last `query_rows` tokens at each of
-    those layers, before and after RoPE: two [num_layers, query_rows, H, D]; None for 0 rows."""
+    at least that many layers) at rows cache_start.. (default: start), attending over the rows
+    before them. Returns the queries of the last `query_rows` tokens at each of those layers,
+    before and after RoPE: two [num_layers, query_rows, H, D]; None for 0 rows.
+
+    A `cache_start` other than `start` is a windowed scorer's: `kv` then holds a few of the
+    prompt's keys (rotated at their own positions, so relative distances stay true) before the
+    new rows, not all of them."""
     end = start + tokens.shape[0]
+    at = start if cache_start is None else cache_start
     cos_table, sin_table = model._rope_tables(max(kv.max_ctx, end))
     cos, sin = cos_table[start:end], sin_table[start:end]
     x = model.embed(tokens)  # [T, C]
@@ -585,6 +591,6 @@ def first_layers_with_queries(model: Transformer, tokens: Tensor, start: int, kv
                 q = attention.q_norm(q)
             before.append(q)
             after.append(apply_rope(q, cos[-query_rows:], sin[-query_rows:]))
-        x = layer(x, cos, sin, kv, index, start, None)
-    kv.length = end
+        x = layer(x, cos, sin, kv, index, at, None)
+    kv.length = at + tokens.shape[0]
     return (torch.stack(before), torch.stack(after)) if query_rows else None

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.engine.kv import KVCache
+from dflash.engine.model import first_layers_with_queries
 
 Span = tuple[int, int]  # token positions [start, end)
 
@@ -42,6 +43,7 @@ COMPRESSION_MODES = ("off", "auto", "always", "fit")
 SMOOTHING_WIDTH = 13  # moving average over token scores (SpecPrefill's avg_pool1d kernel)
 TAIL_NGRAM = 4  # n-grams of the prompt's tail that force the chunks they occur in
 TAIL_TOKENS = 96  # how much of the prompt's tail those n-grams come from
+ATTENTION_SINKS = 64  # a windowed scorer's tokens still see the prompt's first ones (attention sinks)
 
 
 @attrs.frozen
@@ -54,12 +56,15 @@ class CompressionSettings:
     lookahead: int = 8  # tail tokens whose queries score the prompt
     pre_rope: bool = False  # score with queries and keys before RoPE (position-free similarity)
     tail_ngrams: bool = True  # force chunks holding an n-gram of the prompt's tail
+    scorer_window: int = 1024  # 0: the scorer's tokens attend over the whole prompt; else over this many before them
 
     def __attrs_post_init__(self):
         if self.mode not in COMPRESSION_MODES:
             raise ValueError(f"unknown compression mode {self.mode!r}; expected one of {', '.join(COMPRESSION_MODES)}")
         if not 0.0 < self.keep_ratio <= 1.0:
             raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
+        if self.scorer_window < 0:
+            raise ValueError(f"scorer_window must be 0 (whole prompt) or a number of tokens, got {self.scorer_window}")
 
 
 def self_scorer_layers(scorer: str) -> int | None:
@@ -170,16 +175,25 @@ def keep_budget(settings: CompressionSettings, length: int, cached: int, max_ctx
 
 class AttentionScorer:
     """Scores a prompt with the first `layers` decoder layers of `model` (the target itself, or a
-    smaller model of the same vocabulary), in a scratch KV cache sized to the prompt."""
+    smaller model of the same vocabulary), in a scratch KV cache sized to the prompt.
 
-    def __init__(self, model, layers: int, *, lookahead: int = 8, pre_rope: bool = False, chunk: int = 512):
+    With a `window`, the prompt's tokens attend only over the first ATTENTION_SINKS tokens and the
+    `window` tokens before their chunk (sliding-window attention with sinks), so scoring costs time
+    linear in the prompt's length instead of quadratic: at 32K, full causal attention is most of a
+    prefill's work. The lookahead rows' scores still cover every key of the prompt."""
+
+    def __init__(self, model, layers: int, *, lookahead: int = 8, pre_rope: bool = False, chunk: int = 512,
+                 window: int = 0):
         if not 1 <= layers <= model.args.num_layers:
             raise ValueError(f"the scorer needs 1 to {model.args.num_layers} layers, got {layers}")
+        if window < 0:
+            raise ValueError(f"the scorer's window must be 0 (whole prompt) or a number of tokens, got {window}")
         self.model = model
         self.layers = layers
         self.lookahead = lookahead
         self.pre_rope = pre_rope
         self.chunk = chunk
+        self.window = window
 
     def steps(self, tokens: Sequence[int]) -> Generator[None, None, Tensor]:
         """Yields after each bounded piece of work; returns the per-layer scores [layers, S]."""
@@ -191,8 +205,6 @@ class AttentionScorer:
         return combine(run(self.steps(tokens)))
 
     def _prefill(self, tokens: Sequence[int]):
-        from dflash.engine.model import first_layers_with_queries
-
         model = self.model
         args = model.args
         S = len(tokens)
@@ -202,13 +214,34 @@ class AttentionScorer:
         # The tail rows are their own last piece, so their queries come from one call.
         bounds = list(range(0, S - rows, self.chunk)) + [S - rows]
         queries = None
+        window = None  # the windowed scorer's own small cache: sinks, window, the chunk's new rows
         for index, start in enumerate(bounds):
             last = index + 1 == len(bounds)
             end = S if last else bounds[index + 1]
-            queries = first_layers_with_queries(model, ids[start:end], start, kv, self.layers,
-                                                query_rows=rows if last else 0)
+            query_rows = rows if last else 0
+            if self.window and start > ATTENTION_SINKS + self.window:
+                if window is None:
+                    window = KVCache(self.layers, args.num_kv_heads, ATTENTION_SINKS + self.window + max(self.chunk, rows),
+                                     args.head_dim, model.dtype, model.device)
+                queries = self._windowed_piece(ids[start:end], start, kv, window, query_rows)
+            else:
+                queries = first_layers_with_queries(model, ids[start:end], start, kv, self.layers, query_rows)
             yield
         return queries[0], queries[1], kv
+
+    def _windowed_piece(self, ids: Tensor, start: int, kv: KVCache, window: KVCache, query_rows: int):
+        """The tokens at start.. over the sinks and the `window` keys before them, then their rows
+        copied into the prompt's cache (the lookahead scores read them there)."""
+        sinks, at = ATTENTION_SINKS, ATTENTION_SINKS + self.window
+        end = start + ids.shape[0]
+        for mine, full in ((window.keys, kv.keys), (window.values, kv.values)):
+            mine[:, :, :sinks] = full[:, :, :sinks]
+            mine[:, :, sinks:at] = full[:, :, start - self.window:start]
+        queries = first_layers_with_queries(self.model, ids, start, window, self.layers, query_rows, cache_start=at)
+        kv.keys[:, :, start:end] = window.keys[:, :, at:at + ids.shape[0]]
+        kv.values[:, :, start:end] = window.values[:, :, at:at + ids.shape[0]]
+        kv.length = end
+        return queries
 
     @torch.inference_mode()
     def _layer_scores(self, queries: Tensor, kv: KVCache, S: int, pre_rope: bool) -> Tensor:

@@ -105,6 +105,36 @@ def test_first_layers_write_the_same_keys_as_the_full_model():
     assert scores.shape == (40,) and torch.isfinite(scores).all()
 
 
+def test_a_windowed_scorer_attends_over_the_sinks_and_the_window_before_each_chunk(monkeypatch):
+    from dflash.engine import pflash
+
+    monkeypatch.setattr(pflash, "ATTENTION_SINKS", 4)
+    model = ours_from_hf(tiny_hf_model("llama"))
+    S, chunk, window, rows = 120, 16, 24, 8
+    ids = torch.tensor(PROMPT[:S])
+    scorer = AttentionScorer(model, 2, lookahead=rows, chunk=chunk, window=window)
+    queries_pre, queries_post, keys = pflash.run(scorer._prefill(PROMPT[:S]))
+    # the same attention spelled out as a mask over the whole prompt: a token sees the sinks and,
+    # from `window` tokens before its own chunk's start, everything up to itself
+    starts = [*range(0, S - rows, chunk), S - rows]
+    chunk_start = torch.tensor([max(s for s in starts if s <= i) for i in range(S)])
+    key = torch.arange(S)[None, :]
+    query = torch.arange(S)[:, None]
+    visible = (key <= query) & ((key < 4) | (key >= chunk_start[:, None] - window))
+    assert not visible[100].all() and visible[100, :4].all()  # the window does cut something
+    reference = model.new_kv_cache(S)
+    model(ids, 0, reference, attention_mask=visible)
+    torch.testing.assert_close(keys.keys[:, :, :S], reference.keys[:2, :, :S])
+    torch.testing.assert_close(keys.values[:, :, :S], reference.values[:2, :, :S])
+    # a window that covers the prompt is full attention, same scores
+    full = AttentionScorer(model, 2, lookahead=rows, chunk=chunk).score(PROMPT[:S])
+    torch.testing.assert_close(AttentionScorer(model, 2, lookahead=rows, chunk=chunk, window=S).score(PROMPT[:S]), full)
+    causal = model.new_kv_cache(S)
+    model(ids, 0, causal)
+    assert not torch.allclose(keys.keys[1, :, 100:S], causal.keys[1, :, 100:S])
+    assert queries_post.shape == (2, rows, model.args.num_heads, model.args.head_dim)
+
+
 def test_a_separate_model_of_the_same_vocabulary_can_score(tmp_path):
     import pytest
 

@@ -59,6 +59,7 @@ def test_the_example_documents_exactly_the_defaults():
     ({"prefill": {"keep_ratio": 0}}, "prefill.keep_ratio: expected a ratio from 0 to 1, got 0.0"),
     ({"prefill": {"scorer": "self:0"}}, "prefill.scorer: expected 'self:N' (the model's first N layers, N >= 1)"),
     ({"prefill": {"chunk_tokens": 0}}, "prefill.chunk_tokens: expected an integer from 1 to 4096, got 0"),
+    ({"prefill": {"scorer_window": -1}}, "prefill.scorer_window: expected an integer >= 0, got -1"),
 ])
 def test_errors_name_the_key_the_value_and_the_expectation(raw, expected):
     assert error_of(raw).startswith(expected)
