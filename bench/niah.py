@@ -158,7 +158,7 @@ def main() -> None:
         "keep_positions": args.keep_positions})
     rows = []
     for length in lengths:
-        modes = ([] if args.no_off else ["off"]) + [f"keep {r}" for r in ratios]
+        modes = ([] if args.no_off or args.off_cases == 0 else ["off"]) + [f"keep {r}" for r in ratios]
         results: dict[str, list[dict]] = {mode: [] for mode in modes}
         for index, case in enumerate(cases[length]):
             for mode in modes:  # interleaved: a shared machine's load changes over minutes
