@@ -139,6 +139,17 @@ def _add_train_drafter(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--threads", type=int, default=_MODEL_DEFAULTS.threads)
     train.add_argument("--data-workers", type=int, default=1,
                        help="processes generating the data, sharing --threads (2 on a 2-core CPU is ~1.7x faster)")
+    train.add_argument("--corpus-tokens", type=int, default=0,
+                       help="teacher-forced tokens of offline text (standard-library sources, docs, agent turns) "
+                            "to add to the reply data; 0 = none")
+    train.add_argument("--corpus-mix", default="source=0.4,docs=0.2,agent=0.4", help="token shares of the corpus kinds")
+    train.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced window")
+    train.add_argument("--reply-share", type=float, default=0.3,
+                       help="share of training steps on reply data when corpus data exists too")
+    train.add_argument("--learning-rate", type=float, default=6e-4)
+    train.add_argument("--eval-every", type=int, default=0,
+                       help="measure τ on the fixed unseen prompts every N steps (the curve goes to training.json)")
+    train.add_argument("--eval-tokens", type=int, default=48, help="tokens decoded per unseen prompt when measuring τ")
     train.add_argument("--resume", action="store_true", help="continue from the folder's last checkpoint")
     train.set_defaults(handler=_train_drafter)
 
@@ -157,10 +168,18 @@ def _train_drafter(args: argparse.Namespace) -> int:
         generate_data_parallel,
         train,
     )
-    from dflash.train_prompts import default_prompts
+    from dflash.training.corpus import parse_mix
+    from dflash.training.prompts import default_prompts
+    from dflash.training.teacher_forcing import prefill_data, prefill_data_parallel
 
     try:
-        loaded = load_model(args.target, dtype=args.dtype, threads=args.threads, max_ctx=_MODEL_DEFAULTS.max_ctx)
+        mix = parse_mix(args.corpus_mix)
+    except ValueError as exc:
+        print(f"dflash: --corpus-mix: {exc}", file=sys.stderr)
+        return 2
+    try:
+        loaded = load_model(args.target, dtype=args.dtype, threads=args.threads,
+                            max_ctx=max(_MODEL_DEFAULTS.max_ctx, args.window))
     except ModelLoadError as exc:
         print(f"dflash: {exc}", file=sys.stderr)
         return 2
@@ -176,8 +195,15 @@ def _train_drafter(args: argparse.Namespace) -> int:
                                         layer_ids, args.tokens, args.data_workers)
     else:
         shards = generate_data(loaded, prompts, out, layer_ids, args.tokens)
+    if args.corpus_tokens > 0 and args.data_workers > 1:
+        shards += prefill_data_parallel(args.target, args.dtype, None, args.threads, loaded.tokenizer, out, layer_ids,
+                                        args.corpus_tokens, args.window, mix, args.data_workers)
+    elif args.corpus_tokens > 0:
+        shards += prefill_data(loaded, out, layer_ids, args.corpus_tokens, args.window, mix)
     options = TrainOptions(layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
-                           tokens_per_response=args.tokens, steps=args.steps, anchors=args.anchors)
+                           tokens_per_response=args.tokens, steps=args.steps, anchors=args.anchors,
+                           learning_rate=args.learning_rate, reply_share=args.reply_share,
+                           eval_every=args.eval_every, eval_tokens=args.eval_tokens)
     summary = train(loaded, shards, out, options, choose_mask_token(loaded.tokenizer), resume=args.resume)
     summary.pop("history")
     print(json.dumps(summary, indent=2))

@@ -44,8 +44,12 @@ class TrainOptions:
     steps: int = 1000
     anchors: int = 16  # blocks per sample per step
     learning_rate: float = 6e-4
+    warmup: float = 0.04  # share of the steps over which the learning rate rises linearly
     gamma: float = 4.0
-    held_out: int = 8  # samples kept out of training for the acceptance estimate
+    held_out: int = 8  # reply samples kept out of training for the acceptance estimate
+    reply_share: float = 0.3  # share of steps on reply shards when teacher-forced shards exist too
+    eval_every: int = 0  # steps between τ measurements on the unseen prompts (unseen.py); 0 = never
+    eval_tokens: int = 48  # tokens decoded per unseen prompt
     seed: int = 0
 
 
@@ -142,43 +146,89 @@ def _generate_part(source: str, dtype: str, threads: int, max_ctx: int, prompts:
     return len(generate_data(loaded, prompts, out, layer_ids, tokens, progress=False, part=part))
 
 
-def generate_data_parallel(source: str, dtype: str, threads: int, max_ctx: int, prompts: Sequence[str], out: Path,
-                           layer_ids: Sequence[int], tokens: int, workers: int, progress: bool = True) -> list[Path]:
-    """`generate_data` split over `workers` processes of threads // workers threads each. On a small
-    CPU several one-thread decoders beat one two-thread decoder (single-row decode does not scale
-    with threads), so data comes nearly `workers` times faster."""
+def run_workers(function, arguments: Sequence[tuple], paths: Sequence[Path], description: str,
+                progress: bool = True) -> None:
+    """`function(*arguments[k])` in one spawned process each, with a bar over the `paths` that exist."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, wait
 
     from tqdm import tqdm
 
-    (out / "data").mkdir(parents=True, exist_ok=True)
-    per_worker = max(1, threads // workers)
-    done = lambda: sum(shard_path(out, i).exists() for i in range(len(prompts)))  # noqa: E731
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_generate_part, source, dtype, per_worker, max_ctx, list(prompts), out,
-                               tuple(layer_ids), tokens, (k, workers)) for k in range(workers)]
-        with tqdm(total=len(prompts), initial=done(), desc="generating", disable=not progress) as bar:
+    done = lambda: sum(p.exists() for p in paths)  # noqa: E731
+    with ProcessPoolExecutor(len(arguments), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(function, *args) for args in arguments]
+        with tqdm(total=len(paths), initial=done(), desc=description, disable=not progress) as bar:
             while wait(futures, timeout=2.0).not_done:
                 bar.update(done() - bar.n)
             bar.update(done() - bar.n)
         for future in futures:
             future.result()  # a worker's exception surfaces here
-    return [shard_path(out, i) for i in range(len(prompts)) if shard_path(out, i).exists()]
 
 
-def block_batch(tokens: Tensor, response_start: int, anchors: int, block: int, rng: random.Random):
-    """Anchor positions a (a and a+1 inside the response, a+1 < len) for up to `anchors` blocks."""
+def generate_data_parallel(source: str, dtype: str, threads: int, max_ctx: int, prompts: Sequence[str], out: Path,
+                           layer_ids: Sequence[int], tokens: int, workers: int, progress: bool = True) -> list[Path]:
+    """`generate_data` split over `workers` processes of threads // workers threads each. On a small
+    CPU several one-thread decoders beat one two-thread decoder (single-row decode does not scale
+    with threads), so data comes nearly `workers` times faster."""
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    paths = [shard_path(out, i) for i in range(len(prompts))]
+    per_worker = max(1, threads // workers)
+    run_workers(_generate_part, [(source, dtype, per_worker, max_ctx, list(prompts), out, tuple(layer_ids), tokens,
+                                  (k, workers)) for k in range(workers)], paths, "generating", progress)
+    return [p for p in paths if p.exists()]
+
+
+def load_sample(path: Path) -> dict:
+    """A shard, memory-mapped: its rows are read from disk (or the page cache) when a step uses them."""
+    return torch.load(path, mmap=True, weights_only=False)
+
+
+def anchor_candidates(sample: dict) -> Tensor:
+    """Positions a block may start at. A reply shard's tokens from `response_start` on are the
+    target's greedy output, so every reply position with a successor qualifies. In a teacher-forced
+    shard the anchor plays the pending token, which the target itself chose, so only positions
+    where the text equals the target's greedy prediction qualify."""
+    tokens = sample["tokens"]
     length = tokens.shape[0]
-    candidates = list(range(response_start, length - 1))
-    if not candidates:
-        return []
-    return sorted(rng.sample(candidates, min(anchors, len(candidates))))
+    if "greedy" not in sample:
+        return torch.arange(sample["response_start"], max(length - 1, sample["response_start"]))
+    agrees = torch.zeros(length, dtype=torch.bool)
+    agrees[1:] = tokens[1:] == sample["greedy"][:-1].to(tokens.dtype)
+    agrees[-1] = False
+    return agrees.nonzero().flatten()
 
 
-def training_forward(draft: DFlashDraftModel, embed, lm_head, rows: Tensor, tokens: Tensor,
-                     anchors: list[int], block: int, mask_token: int) -> tuple[Tensor, Tensor]:
-    """Logits [N, B-1, V] for the masked slots of every block and their labels [N, B-1] (-1 = none)."""
+def block_batch(sample: dict, anchors: int, rng: random.Random) -> list[int]:
+    """Up to `anchors` distinct anchor positions, sorted."""
+    candidates = anchor_candidates(sample).tolist()
+    return sorted(rng.sample(candidates, min(anchors, len(candidates)))) if candidates else []
+
+
+def block_labels(sample: dict, anchors: list[int], block: int) -> Tensor:
+    """[N, B-1] labels of the masked slots of each block, -1 where the label is unknown. Reply
+    shards: the following tokens. Teacher-forced shards: slot k's label is the target's greedy
+    prediction at a+k-1, valid while the text at a+1..a+k-1 equals the target's greedy tokens (then
+    the text so far is the target's own continuation); nothing past the first disagreement."""
+    tokens = sample["tokens"]
+    length = tokens.shape[0]
+    greedy = sample.get("greedy")
+    labels = torch.full((len(anchors), block - 1), -1, dtype=torch.long)
+    for b, a in enumerate(anchors):
+        end = min(a + block, length)
+        if greedy is None:
+            labels[b, : end - a - 1] = tokens[a + 1 : end]
+            continue
+        for k in range(1, end - a):
+            labels[b, k - 1] = int(greedy[a + k - 1])
+            if int(tokens[a + k]) != labels[b, k - 1]:
+                break
+    return labels
+
+
+def training_forward(draft: DFlashDraftModel, embed, rows: Tensor, tokens: Tensor, anchors: list[int], block: int,
+                     mask_token: int) -> Tensor:
+    """The drafter's final-normed outputs [N, B-1, H] for the masked slots of every block (the LM
+    head is applied by the caller, to the slots that have a label only: it is most of the cost)."""
     c = draft.config
     length = tokens.shape[0]
     n = len(anchors)
@@ -187,10 +237,6 @@ def training_forward(draft: DFlashDraftModel, embed, lm_head, rows: Tensor, toke
     positions = (starts[:, None] + offsets[None]).reshape(-1)  # [N*B]
     block_ids = torch.full((n, block), mask_token, dtype=torch.long)
     block_ids[:, 0] = tokens[starts]
-    labels = torch.full((n, block - 1), -1, dtype=torch.long)
-    for b, a in enumerate(anchors):
-        end = min(a + block, length)
-        labels[b, : end - a - 1] = tokens[a + 1 : end]
     # Keys: context rows 0..L-1 then all block rows; a block sees context before its anchor + itself.
     context_pos = torch.arange(length)
     allowed_context = context_pos[None, :] < starts.repeat_interleave(block)[:, None]  # [N*B, L]
@@ -215,8 +261,7 @@ def training_forward(draft: DFlashDraftModel, embed, lm_head, rows: Tensor, toke
         )[0].transpose(0, 1).reshape(x.shape[0], -1)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    out = draft.norm(x).view(n, block, -1)[:, 1:]
-    return lm_head(out.to(lm_head.weight.dtype)).float(), labels
+    return draft.norm(x).view(n, block, -1)[:, 1:]
 
 
 def slot_weights(block: int, gamma: float) -> Tensor:
@@ -230,8 +275,28 @@ def acceptance_estimate(logits: Tensor, labels: Tensor) -> float:
     return float(run.mean() + 1)
 
 
+def learning_rate(options: TrainOptions, step: int) -> float:
+    """Linear warm-up, then cosine decay to zero."""
+    warmup = int(options.warmup * options.steps)
+    if step < warmup:
+        return options.learning_rate * (step + 1) / warmup
+    progress = (step - warmup) / max(options.steps - warmup, 1)
+    return options.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def slot_loss(draft_out: Tensor, labels: Tensor, lm_head, weights: Tensor) -> Tensor:
+    """Weighted cross-entropy over the slots that have a label; the LM head runs on those rows only."""
+    valid = labels >= 0
+    logits = lm_head(draft_out[valid].to(lm_head.weight.dtype)).float()
+    per_slot = F.cross_entropy(logits, labels[valid], reduction="none")
+    slot_weight = weights[None, :].expand_as(labels)[valid]
+    return (per_slot * slot_weight).sum() / slot_weight.sum().clamp(min=1e-9)
+
+
 def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_token: int,
           resume: bool = False, progress: bool = True) -> dict:
+    """Train on reply shards (generate_data) and teacher-forced shards (teacher_forcing.py), mixed
+    by `reply_share` of the steps when both kinds are given."""
     from tqdm import tqdm
 
     target = loaded.engine.model
@@ -250,37 +315,46 @@ def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_tok
     optimizer = torch.optim.AdamW(draft.parameters(), lr=options.learning_rate, weight_decay=0.0)
     state_path = out / "train_state.pt"
     step = 0
+    history = {"loss": [], "acceptance": [], "unseen": []}
     if resume and state_path.exists():
         state = torch.load(state_path, weights_only=False)
         draft.load_state_dict(state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-    samples = [torch.load(s, weights_only=False) for s in shards]
+        history["unseen"] = state.get("unseen", [])
+    samples = [load_sample(s) for s in shards]
     for shard, sample in zip(shards, samples):
         recorded = sample.get("layer_ids")
         if recorded is not None and tuple(recorded) != tuple(layer_ids):
             raise ValueError(f"{shard} holds target layers {recorded}, not {list(layer_ids)}: "
                              "delete its data folder or pass the same --target-layer-ids")
-    held_out, training = samples[: options.held_out], samples[options.held_out :] or samples
+    replies = [s for s in samples if "greedy" not in s]
+    forced = [s for s in samples if "greedy" in s]
+    held_out = replies[: options.held_out] if len(replies) > options.held_out else []
+    replies = replies[len(held_out):]
+    if not replies and not forced:
+        raise ValueError("no training data: every shard is held out or the data folder is empty")
     weights = slot_weights(options.block_size, options.gamma)
     embed, lm_head = target.embed, target.lm_head
     rng = random.Random(options.seed + step)
-    history = {"loss": [], "acceptance": []}
+
+    def checkpoint() -> None:
+        torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "unseen": history["unseen"]}, state_path)
+
     bar = tqdm(total=options.steps, initial=step, desc="training", disable=not progress)
     started = time.perf_counter()
     while step < options.steps:
-        sample = training[rng.randrange(len(training))]
-        anchors = block_batch(sample["tokens"], sample["response_start"], options.anchors, options.block_size, rng)
+        pool = replies if not forced or (replies and rng.random() < options.reply_share) else forced
+        sample = pool[rng.randrange(len(pool))]
+        anchors = block_batch(sample, options.anchors, rng)
         if not anchors:
             continue
-        lr = options.learning_rate * 0.5 * (1 + math.cos(math.pi * step / options.steps))
         for group in optimizer.param_groups:
-            group["lr"] = lr
-        logits, labels = training_forward(draft, embed, lm_head, sample["rows"].float(), sample["tokens"], anchors,
-                                          options.block_size, mask_token)
-        per_slot = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")  # [N, B-1]
-        slot_weight = weights[None, :] * (labels >= 0)
-        loss = (per_slot * slot_weight).sum() / slot_weight.sum().clamp(min=1e-9)
+            group["lr"] = learning_rate(options, step)
+        draft_out = training_forward(draft, embed, sample["rows"].float(), sample["tokens"], anchors,
+                                     options.block_size, mask_token)
+        loss = slot_loss(draft_out, block_labels(sample, anchors, options.block_size), lm_head, weights)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -288,10 +362,17 @@ def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_tok
         step += 1
         history["loss"].append(float(loss.detach()))
         if step % 25 == 0 or step == options.steps:
-            estimate = evaluate(draft, embed, lm_head, held_out or training[:1], options, mask_token)
+            estimate = evaluate(draft, embed, lm_head, held_out or (replies or forced)[:1], options, mask_token)
             history["acceptance"].append(estimate)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", accept=f"{estimate:.2f}")
-            torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_path)
+            checkpoint()
+        if options.eval_every and (step % options.eval_every == 0 or step == options.steps):
+            from dflash.training.unseen import unseen_acceptance
+
+            history["unseen"].append({"step": step, **unseen_acceptance(target, loaded.tokenizer, draft,
+                                                                         options.eval_tokens)})
+            bar.write(json.dumps(history["unseen"][-1]))
+            checkpoint()
         bar.update(1)
     bar.close()
     draft.eval()
@@ -299,19 +380,24 @@ def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_tok
     summary = {"steps": step, "seconds": round(time.perf_counter() - started, 1),
                "final_loss": history["loss"][-1] if history["loss"] else None,
                "held_out_acceptance": history["acceptance"][-1] if history["acceptance"] else None,
-               "samples": len(samples), "mask_token_id": mask_token, "target_layer_ids": list(layer_ids)}
+               "unseen_acceptance": history["unseen"],
+               "samples": len(samples), "reply_samples": len(replies) + len(held_out),
+               "teacher_forced_tokens": sum(int(s["tokens"].shape[0]) for s in forced),
+               "mask_token_id": mask_token, "target_layer_ids": list(layer_ids)}
     (out / "training.json").write_text(json.dumps(summary, indent=2))
     return {**summary, "history": history}
 
 
 @torch.no_grad()
 def evaluate(draft, embed, lm_head, samples: Iterable[dict], options: TrainOptions, mask_token: int) -> float:
+    """The acceptance estimate on held-out samples: 1 + the run of slots the drafter gets right."""
     rng = random.Random(1234)
     estimates = []
     for sample in samples:
-        anchors = block_batch(sample["tokens"], sample["response_start"], options.anchors, options.block_size, rng)
+        anchors = block_batch(sample, options.anchors, rng)
         if anchors:
-            logits, labels = training_forward(draft, embed, lm_head, sample["rows"].float(), sample["tokens"],
-                                              anchors, options.block_size, mask_token)
-            estimates.append(acceptance_estimate(logits, labels))
+            draft_out = training_forward(draft, embed, sample["rows"].float(), sample["tokens"], anchors,
+                                         options.block_size, mask_token)
+            logits = lm_head(draft_out.to(lm_head.weight.dtype)).float()
+            estimates.append(acceptance_estimate(logits, block_labels(sample, anchors, options.block_size)))
     return sum(estimates) / max(len(estimates), 1)

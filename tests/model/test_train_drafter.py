@@ -1,6 +1,7 @@
 """A tiny end-to-end `train-drafter` run: the loss falls, and the output folder loads as a drafter
 that decodes losslessly."""
 
+import attrs
 import pytest
 import torch
 
@@ -65,3 +66,56 @@ def test_data_from_several_worker_processes_equals_data_from_one(tiny_target, tm
     for a, b in zip(serial, parallel):
         one, two = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
         assert torch.equal(one["tokens"], two["tokens"]) and torch.equal(one["rows"], two["rows"])
+
+
+def test_teacher_forced_shards_hold_the_targets_rows_and_greedy_predictions(tiny_target, tmp_path):
+    from dflash.training.teacher_forcing import planned_windows, prefill_data, prefill_data_parallel
+
+    layer_ids = (0, 2)
+    shards = prefill_data(tiny_target, tmp_path / "one", layer_ids, budget_tokens=300, window=128, progress=False)
+    plan = planned_windows(tiny_target.tokenizer, 300, 128, None)
+    assert len(shards) == len(plan) >= 3 and {kind for kind, _ in plan} == {"source", "docs", "agent"}
+    sample = torch.load(shards[0], weights_only=False)
+    tokens = sample["tokens"]
+    assert tokens.tolist() == plan[0][1]
+    # The shard's rows and greedy predictions are those of one plain forward over the window.
+    engine = tiny_target.engine
+    engine.rollback(0)
+    logits, hidden = engine.model(tokens, 0, engine.kv, capture_layers=layer_ids, logits_positions=None)
+    engine.rollback(0)
+    assert torch.equal(sample["greedy"], logits.argmax(-1).to(torch.int32))
+    assert torch.equal(sample["rows"], torch.cat(hidden, -1).to(torch.bfloat16))
+    # Resumable, and two worker processes write the same shards.
+    first_written = shards[0].stat().st_mtime_ns
+    assert prefill_data(tiny_target, tmp_path / "one", layer_ids, 300, 128, progress=False) == shards
+    assert shards[0].stat().st_mtime_ns == first_written
+    parallel = prefill_data_parallel(str(tiny_target.folder), "float32", None, 2, tiny_target.tokenizer,
+                                     tmp_path / "two", layer_ids, 300, 128, workers=2, progress=False)
+    assert [p.name for p in parallel] == [p.name for p in shards]
+    for a, b in zip(shards, parallel):
+        one, two = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+        assert torch.equal(one["rows"], two["rows"]) and torch.equal(one["greedy"], two["greedy"])
+
+
+def test_training_mixes_reply_and_teacher_forced_shards_and_measures_unseen_prompts(tiny_target, tmp_path):
+    from dflash.training.teacher_forcing import prefill_data
+    from dflash.training.unseen import UNSEEN_PROMPTS
+
+    layer_ids = (0, 2)
+    replies = generate_data(tiny_target, [f"t{5 + i} t{9 + i}" for i in range(6)], tmp_path, layer_ids, tokens=16,
+                            progress=False)
+    forced = prefill_data(tiny_target, tmp_path, layer_ids, budget_tokens=400, window=128, progress=False)
+    options = TrainOptions(block_size=4, target_layer_ids=layer_ids, steps=40, anchors=8, held_out=2,
+                           learning_rate=3e-3, reply_share=0.5, eval_every=20, eval_tokens=8)
+    summary = train(tiny_target, replies + forced, tmp_path, options, choose_mask_token(tiny_target.tokenizer),
+                    progress=False)
+    assert summary["teacher_forced_tokens"] == sum(torch.load(p, weights_only=False)["tokens"].shape[0] for p in forced)
+    curve = summary["unseen_acceptance"]
+    assert [point["step"] for point in curve] == [20, 40]
+    assert all(set(point) == {"step", *UNSEEN_PROMPTS} and all(point[k] >= 1.0 for k in UNSEEN_PROMPTS)
+               for point in curve)
+    # Resuming keeps the curve and continues it.
+    more = attrs.evolve(options, steps=60)
+    resumed = train(tiny_target, replies + forced, tmp_path, more, choose_mask_token(tiny_target.tokenizer),
+                    resume=True, progress=False)
+    assert [point["step"] for point in resumed["unseen_acceptance"]] == [20, 40, 60]

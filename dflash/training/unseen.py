@@ -1,0 +1,106 @@
+"""The fixed prompts a drafter's acceptance is measured on: none of them, nor their code, comes from
+the training data (the built-in prompt set and the corpus draw on the standard library; these are
+written here), so the number says what a user's unseen prompt gets.
+
+`unseen_acceptance` decodes each prompt greedily with the drafter proposing a full block every step
+(no adaptive policy) and reports τ, tokens committed per verification, per prompt type.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dflash.chat.template import builtin_call_text, builtin_tool_prompt, render_prompt
+from dflash.protocols.canonical import ToolCall, ToolSpec
+
+_INVENTORY = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError(f"not enough {name}")
+        self.items[name] -= count
+
+    def total(self):
+        return sum(self.items.values())
+'''
+_PARSER = '''def parse_duration(text):
+    units = {"s": 1, "m": 60, "h": 3600}
+    number, unit = text[:-1], text[-1]
+    if unit not in units:
+        raise ValueError(f"unknown unit {unit}")
+    return int(number) * units[unit]
+'''
+_TOOLS = [
+    ToolSpec("read_file", "Read a file.", {"type": "object", "properties": {"path": {"type": "string"}},
+                                           "required": ["path"]}),
+    ToolSpec("shell", "Run a command.", {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                         "required": ["cmd"]}),
+]
+
+
+def _tool_turn(ask: str, path: str, content: str) -> list[dict]:
+    call = builtin_call_text(ToolCall(id="", name="read_file", arguments=json.dumps({"path": path})))
+    return [{"role": "system", "content": builtin_tool_prompt(_TOOLS)}, {"role": "user", "content": ask},
+            {"role": "assistant", "content": call},
+            {"role": "user", "content": f"<tool_response>\n{content}</tool_response>"}]
+
+
+UNSEEN_PROMPTS: dict[str, list[list[dict]]] = {
+    "chat": [[{"role": "user", "content": text}] for text in (
+        "How do I stay focused when working from home?",
+        "What is the difference between weather and climate?",
+        "Give me three ideas for a short weekend trip.",
+    )],
+    "coding": [[{"role": "user", "content": text}] for text in (
+        "Write a Python function that merges two sorted lists into one sorted list.",
+        "Write a Python class for a stack with push, pop and peek.",
+        "Write a Python function that counts the vowels in a string.",
+    )],
+    "code editing": [[{"role": "user", "content": text}] for text in (
+        f"Rename the method `total` to `count_all` and print the whole class again:\n\n{_INVENTORY}",
+        f"Add type hints to this function and show the complete function:\n\n{_PARSER}",
+        f"Add a docstring to every method and show the complete class:\n\n{_INVENTORY}",
+    )],
+    "tool use": [
+        _tool_turn("Fix the bug in inventory.py: remove() should accept removing all items.", "inventory.py",
+                   _INVENTORY),
+        _tool_turn("Add support for days ('d') to parse_duration in duration.py.", "duration.py", _PARSER),
+        [{"role": "system", "content": builtin_tool_prompt(_TOOLS)},
+         {"role": "user", "content": "List the files of the repository, then run its tests."}],
+    ],
+}
+
+
+def unseen_acceptance(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048) -> dict[str, float]:
+    """Mean τ per prompt type for `draft` (a DFlashDraftModel) on the target; the draft is not changed."""
+    from dflash.engine.drafters.dflash import DFlashDrafter
+    from dflash.engine.generate import Engine
+    from dflash.engine.sampling import SamplingParams
+    from dflash.engine.speculative import SpeculationConfig
+
+    was_training = draft.training
+    draft.eval()
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
+    engine = Engine(target, max_ctx=max_ctx, speculation=config, dflash_drafter=DFlashDrafter(draft, target, max_ctx))
+    result = {}
+    try:
+        with torch.no_grad():
+            for kind, conversations in UNSEEN_PROMPTS.items():
+                accepted = steps = 0
+                for messages in conversations:
+                    engine.rollback(0)
+                    generation = engine.start(render_prompt(tokenizer, messages), SamplingParams(), tokens)
+                    generation.run()
+                    accepted += generation.stats.accepted_tokens
+                    steps += generation.stats.verification_steps
+                result[kind] = round((accepted + steps) / max(steps, 1), 3)
+    finally:
+        draft.train(was_training)
+    return result
