@@ -1,7 +1,7 @@
 """Speculative decoding on the embedded model: plain vs n-gram vs DFlash vs auto, greedy.
 
-For (a) code-editing prompts whose answer repeats the input, (b) ordinary chat questions and (c)
-coding tasks — none of them in the drafter's training set — prints
+For (a) code-editing prompts whose answer repeats the input, (b) ordinary chat questions, (c)
+coding tasks and (d) agent turns with tools — none of them in the drafter's training set — prints
 decode tok/s, mean acceptance length τ and the ratio to plain decoding, and checks that every mode's
 output is identical to plain greedy decoding.
 
@@ -34,6 +34,7 @@ from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 from dflash.engine.speculative import SpeculationConfig  # noqa: E402
+from dflash.training.unseen import UNSEEN_PROMPTS  # noqa: E402
 
 CODE = '''def load_users(path):
     users = []
@@ -77,7 +78,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every mode this many times, interleaved, and average (steadier on a shared VM)")
-    parser.add_argument("--prompts", default="code editing,chat,coding", help="which prompt sets")
+    parser.add_argument("--prompts", default="code editing,chat,coding",
+                        help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
+                             "tool prompt, from dflash/training/unseen.py)")
     args = parser.parse_args()
     loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
     args.dtype = loaded.dtype
@@ -108,9 +111,11 @@ def main() -> None:
           f"draft={'random weights' if not args.draft else args.draft}")
     print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
     print("|---|---|---|---|---|---|")
-    sets = {"code editing": ("(a) code editing", CODE_EDITING), "chat": ("(b) chat", CHAT), "coding": ("(c) coding", CODING)}
-    for label, prompts in (sets[name] for name in args.prompts.split(",")):
-        ids = [render_prompt(loaded.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    user = lambda prompts: [[{"role": "user", "content": p}] for p in prompts]  # noqa: E731
+    sets = {"code editing": ("(a) code editing", user(CODE_EDITING)), "chat": ("(b) chat", user(CHAT)),
+            "coding": ("(c) coding", user(CODING)), "tool use": ("(d) tool use", UNSEEN_PROMPTS["tool use"])}
+    for label, conversations in (sets[name] for name in args.prompts.split(",")):
+        ids = [render_prompt(loaded.tokenizer, messages) for messages in conversations]
         results: dict[str, list] = {mode: [] for mode in modes}
         for _ in range(args.rounds):  # modes interleaved: a shared machine's load changes over minutes
             for mode, (config, mode_drafter) in modes.items():
