@@ -135,7 +135,8 @@ def _add_train_drafter(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--tokens", type=int, default=128, help="reply tokens the target generates per prompt")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--anchors", type=int, default=16, help="blocks per sample per step")
-    train.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target dtype")
+    train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                       help="target dtype (auto: bfloat16 on CPUs with bf16 hardware, else float32)")
     train.add_argument("--threads", type=int, default=_MODEL_DEFAULTS.threads)
     train.add_argument("--data-workers", type=int, default=1,
                        help="processes generating the data, sharing --threads (2 on a 2-core CPU is ~1.7x faster)")
@@ -167,11 +168,13 @@ def _train_drafter(args: argparse.Namespace) -> int:
         generate_data,
         generate_data_parallel,
         train,
+        training_dtype,
     )
     from dflash.training.corpus import parse_mix
     from dflash.training.prompts import default_prompts
     from dflash.training.teacher_forcing import prefill_data, prefill_data_parallel
 
+    args.dtype = training_dtype(args.dtype)
     try:
         mix = parse_mix(args.corpus_mix)
     except ValueError as exc:

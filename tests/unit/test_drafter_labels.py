@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash.training.corpus import parse_mix
+from dflash.training import train_drafter
 from dflash.training.train_drafter import TrainOptions, anchor_candidates, block_batch, block_labels, learning_rate
 
 
@@ -59,3 +60,10 @@ def test_corpus_mix_parsing_names_the_bad_item():
         parse_mix("docs")
     with pytest.raises(ValueError, match="kinds are"):
         parse_mix("novels=1")
+
+
+@pytest.mark.parametrize("bf16_hardware, expected", [(True, "bfloat16"), (False, "float32")])
+def test_the_training_dtype_follows_the_cpus_bf16_hardware_unless_named(monkeypatch, bf16_hardware, expected):
+    monkeypatch.setattr(train_drafter, "has_bf16_hardware", lambda: bf16_hardware)
+    assert train_drafter.training_dtype("auto") == expected
+    assert train_drafter.training_dtype("bfloat16") == "bfloat16" and train_drafter.training_dtype("float32") == "float32"
