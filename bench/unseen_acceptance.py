@@ -1,0 +1,45 @@
+"""τ of DFlash drafters on the fixed unseen prompts (dflash/training/unseen.py), per prompt type.
+
+Greedy, a full block every verification (no adaptive policy), the same measurement that
+`dflash train-drafter --eval-every` writes to training.json, but on the served weight format.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/unseen_acceptance.py --weights int4 --tokens 32 \\
+        dflash/drafters/smollm2-135m-instruct-b8 [OTHER_DRAFTER_DIR ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from dflash.engine.cpu import cpu_kind  # noqa: E402
+from dflash.engine.drafters.dflash import load_dflash_checkpoint  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
+from dflash.training.unseen import UNSEEN_PROMPTS, unseen_acceptance  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("drafters", nargs="+", help="DFlash checkpoint folders for the target")
+    parser.add_argument("--model", default=EMBEDDED_DEFAULT)
+    parser.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per prompt")
+    args = parser.parse_args()
+    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
+    print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens}")
+    print("| drafter | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
+    print("|---" * (len(UNSEEN_PROMPTS) + 2) + "|")
+    for folder in args.drafters:
+        draft = load_dflash_checkpoint(folder, getattr(torch, loaded.dtype))
+        taus = unseen_acceptance(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens)
+        mean = sum(taus.values()) / len(taus)
+        print(f"| {folder} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
