@@ -90,8 +90,3 @@ def prefill_data_parallel(source: str, dtype: str, weights: str | None, threads:
                 paths, "teacher forcing", progress)
     return [p for p in paths if p.exists()]
 
-
-def shard_tokens(paths: Sequence[Path]) -> int:
-    """Tokens held by the shards (read lazily: the rows stay on disk)."""
-    return sum(int(torch.load(p, mmap=True, weights_only=False)["tokens"].shape[0]) for p in paths)
-
