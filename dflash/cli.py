@@ -140,6 +140,9 @@ def _add_train_drafter(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--threads", type=int, default=_MODEL_DEFAULTS.threads)
     train.add_argument("--data-workers", type=int, default=1,
                        help="processes generating the data, sharing --threads (2 on a 2-core CPU is ~1.7x faster)")
+    train.add_argument("--reply-batch", type=int, default=0,
+                       help="decode the replies N prompts at a time in one process (each matmul does N rows' work, "
+                            "see README) instead of one prompt at a time per data worker; 0 = off")
     train.add_argument("--corpus-tokens", type=int, default=0,
                        help="teacher-forced tokens of offline text (standard-library sources, docs, agent turns) "
                             "to add to the reply data; 0 = none")
@@ -193,7 +196,11 @@ def _train_drafter(args: argparse.Namespace) -> int:
     layer_ids = args.target_layer_ids or tuple(build_target_layer_ids(loaded.engine.model.args.num_layers, args.layers))
     out = Path(args.out)
     prompts = prompts[: args.prompt_count]
-    if args.data_workers > 1:
+    if args.reply_batch > 0:
+        from dflash.training.batched_replies import batched_reply_data
+
+        shards = batched_reply_data(loaded, prompts, out, layer_ids, args.tokens, args.reply_batch)
+    elif args.data_workers > 1:
         shards = generate_data_parallel(args.target, args.dtype, args.threads, _MODEL_DEFAULTS.max_ctx, prompts, out,
                                         layer_ids, args.tokens, args.data_workers)
     else:

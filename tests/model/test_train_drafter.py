@@ -121,3 +121,48 @@ def test_training_mixes_reply_and_teacher_forced_shards_and_measures_unseen_prom
     resumed = train(tiny_target, replies + forced, tmp_path, more, choose_mask_token(tiny_target.tokenizer),
                     resume=True, progress=False)
     assert [point["step"] for point in resumed["unseen_acceptance"]] == [20, 40, 60]
+
+
+def _tiny_chat_target(folder, architecture: str):
+    write_hf_folder(folder, architecture)
+    loaded = load_model(str(folder), dtype="float32", max_ctx=256, threads=1)
+    loaded.tokenizer.chat_template = "{% for m in messages %}t1 {{ m['content'] }} t3 {% endfor %}t4"
+    return loaded
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "yarn-rope"])  # plain; q/k norms; scaled RoPE
+def test_batched_replies_are_the_engines_greedy_replies_with_its_rows(architecture, tmp_path):
+    from dflash.training.batched_replies import batched_reply_data
+
+    loaded = _tiny_chat_target(tmp_path / "target", architecture)
+    # Prompts of different lengths, so rows of a batch are padded differently; t2 (EOS) may end some early.
+    prompts = [" ".join(f"t{5 + (i * 7 + j) % 100}" for j in range(2 + 3 * i)) for i in range(5)]
+    layer_ids = (0, 2)
+    one = generate_data(loaded, prompts, tmp_path / "one", layer_ids, tokens=20, progress=False)
+    batched = batched_reply_data(loaded, prompts, tmp_path / "batched", layer_ids, tokens=20, batch=3, progress=False)
+    assert [p.name for p in batched] == [p.name for p in one] and len(one) == 5
+    for a, b in zip(one, batched):
+        engine_shard, batched_shard = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+        assert torch.equal(batched_shard["tokens"], engine_shard["tokens"])
+        assert batched_shard["response_start"] == engine_shard["response_start"]
+        assert batched_shard["layer_ids"] == list(layer_ids)
+        # The same rows up to rounding (other matmul shapes), stored in bf16.
+        torch.testing.assert_close(batched_shard["rows"].float(), engine_shard["rows"].float(), atol=2e-2, rtol=2e-2)
+    written = batched[0].stat().st_mtime_ns  # resumable: a rerun keeps what exists
+    assert batched_reply_data(loaded, prompts, tmp_path / "batched", layer_ids, tokens=20, batch=3,
+                              progress=False) == batched
+    assert batched[0].stat().st_mtime_ns == written
+
+
+def test_batched_replies_refuse_what_they_cannot_do(tiny_target, tmp_path):
+    from dflash.engine.quant import quantize_linears
+    from dflash.training.batched_replies import batched_greedy, batched_reply_data
+
+    with pytest.raises(ValueError, match="reply batch must be at least 1, got 0"):
+        batched_reply_data(tiny_target, ["t5"], tmp_path, (0, 2), tokens=8, batch=0, progress=False)
+    with pytest.raises(ValueError, match="prompt 1 has .* tokens: more than the 156"):
+        batched_reply_data(tiny_target, ["t5", " ".join(["t7"] * 200)], tmp_path, (0, 2), tokens=100, progress=False)
+    quantized = load_model(str(tiny_target.folder), dtype="bfloat16", max_ctx=64, threads=1)
+    quantize_linears(quantized.engine.model, "int8")
+    with pytest.raises(ValueError, match="need the target's float weights, but layers.0.attention.wqkv is Int8Linear"):
+        batched_greedy(quantized.engine.model, [[5, 9]], 4, set(), (0,))

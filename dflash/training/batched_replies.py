@@ -1,0 +1,140 @@
+"""Reply data for the drafter at GEMM speed: the target answers many prompts at once.
+
+`generate_data` decodes one prompt at a time through the engine: one row per matmul, ~12 tok/s per
+core with fp32 weights on the AVX2 VM, while a matmul over 32 rows does 32 rows' work at about the
+cost of a few. Here a batch of prompts is left-padded and decoded greedily together (plain torch,
+the target's own weights and layers, its own KV tensors), and the hidden rows at the drafter's
+target layers are kept as they are computed. The shards are `generate_data`'s, so training reads
+them the same way.
+
+A batched row is not bit-identical to an engine row (other matmul shapes round differently), so
+where two logits nearly tie a reply may take the other token than the engine's greedy decode: the
+reply is still the target's greedy choice under these roundings, which is what the labels need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash.engine.model import Linear, apply_rope, rope_tables
+
+
+def _check_plain_weights(model) -> None:
+    # The quantized linears take 2-D bf16 rows (their kernels); training data comes from the float target.
+    for name, module in model.named_modules():
+        if name.endswith(("wqkv", "wo", "w13", "w2")) and not isinstance(module, Linear):
+            raise ValueError(f"batched replies need the target's float weights, but {name} is "
+                             f"{type(module).__name__}: load it with weights=None (float32 or bfloat16)")
+
+
+@torch.inference_mode()
+def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_ids: set[int],
+                   layer_ids: Sequence[int]) -> list[tuple[list[int], Tensor]]:
+    """Greedy replies to `prompts`, decoded as one batch. Per prompt: the output tokens (up to and
+    including a stop token, at most `max_new`) and the rows [prompt + output - 1, len(layer_ids) * C]
+    of the given layers' outputs (the last output token is never fed back, as in the engine)."""
+    _check_plain_weights(model)
+    a = model.args
+    B, P = len(prompts), max(len(p) for p in prompts)
+    H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+    total = P + max_new
+    pads = torch.tensor([P - len(p) for p in prompts])
+    tokens = torch.zeros(B, P, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        tokens[b, int(pads[b]):] = torch.tensor(list(prompt))
+    cos_table, sin_table = rope_tables(model.inv_freq, total, model.rope_attention_scale, model.dtype, model.device)
+    keys = torch.zeros(a.num_layers, B, KV, total, D, dtype=model.dtype)
+    values = torch.zeros_like(keys)
+    capture = {layer: i for i, layer in enumerate(layer_ids)}
+    rows = torch.zeros(len(layer_ids), B, total, a.hidden_size, dtype=model.dtype)
+    key_index = torch.arange(total)
+
+    def forward(new: Tensor, start: int) -> Tensor:  # new [B, T] at slots start..start+T-1 -> last logits [B, V]
+        T = new.shape[1]
+        end = start + T
+        slots = torch.arange(start, end)
+        positions = (slots[None] - pads[:, None]).clamp(min=0)  # a row's own positions start after its padding
+        cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # [B, T, 1, D]
+        seen = key_index[None, None, :end]
+        allowed = (seen >= pads[:, None, None]) & (seen <= slots[None, :, None])
+        allowed |= seen == slots[None, :, None]  # a padding row sees itself: never a row of NaN
+        x = model.embed(new)
+        for index, layer in enumerate(model.layers):
+            attention = layer.attention
+            qkv = attention.wqkv(layer.attention_norm(x)).view(B, T, H + 2 * KV, D)
+            q, k, v = qkv[:, :, :H], qkv[:, :, H : H + KV], qkv[:, :, H + KV :]
+            if attention.q_norm is not None:
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            keys[index, :, :, start:end] = k.transpose(1, 2)
+            values[index, :, :, start:end] = v.transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[index, :, :, :end], values[index, :, :, :end],
+                                                 attn_mask=allowed[:, None], enable_gqa=True)
+            x = x + attention.wo(out.transpose(1, 2).reshape(B, T, H * D))
+            x = x + layer.feed_forward(layer.ffn_norm(x))
+            if index in capture:
+                rows[capture[index], :, start:end] = x
+        return model.lm_head(model.norm(x[:, -1])).float()
+
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    finished = [False] * B
+    logits = forward(tokens, 0)
+    for step in range(max_new):
+        chosen = logits.argmax(-1)
+        for b in range(B):
+            if not finished[b]:
+                outputs[b].append(int(chosen[b]))
+                finished[b] = int(chosen[b]) in stop_ids
+        if all(finished) or step == max_new - 1:
+            break
+        logits = forward(chosen[:, None], P + step)
+    results = []
+    for b, output in enumerate(outputs):
+        length = P - int(pads[b]) + len(output) - 1
+        joined = torch.cat([rows[i, b, int(pads[b]) : int(pads[b]) + length] for i in range(len(layer_ids))], dim=-1)
+        results.append((output, joined))
+    return results
+
+
+def batched_reply_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Sequence[int], tokens: int,
+                       batch: int = 32, progress: bool = True) -> list[Path]:
+    """`generate_data`'s shards (one per prompt, existing ones kept), from batches of `batch` prompts.
+    Prompts are batched in order of length, so little of a batch is padding."""
+    from tqdm import tqdm
+
+    from dflash.chat.template import render_prompt
+    from dflash.training.train_drafter import shard_path
+
+    if batch < 1:
+        raise ValueError(f"reply batch must be at least 1, got {batch}")
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    rendered = {i: render_prompt(loaded.tokenizer, [{"role": "user", "content": p}])
+                for i, p in enumerate(prompts) if not shard_path(out, i).exists()}
+    longest = loaded.engine.kv.max_ctx - tokens
+    too_long = [i for i, ids in rendered.items() if len(ids) > longest]
+    if too_long:
+        raise ValueError(f"prompt {too_long[0]} has {len(rendered[too_long[0]])} tokens: more than the "
+                         f"{longest} that leave room for {tokens} reply tokens in {loaded.engine.kv.max_ctx}")
+    pending = sorted(rendered, key=lambda i: len(rendered[i]))
+    stop_ids = set(loaded.engine.eos_token_ids)
+    model = loaded.engine.model
+    with tqdm(total=len(prompts), initial=len(prompts) - len(pending), desc="generating (batched)",
+              disable=not progress) as bar:
+        for first in range(0, len(pending), batch):
+            indices = pending[first : first + batch]
+            replies = batched_greedy(model, [rendered[i] for i in indices], tokens, stop_ids, layer_ids)
+            for index, (output, rows) in zip(indices, replies):
+                bar.update(1)
+                if len(output) < 2:
+                    continue
+                shard = shard_path(out, index)
+                temporary = shard.with_suffix(".tmp")
+                torch.save({"tokens": torch.tensor(rendered[index] + output[:-1]), "response_start": len(rendered[index]),
+                            "rows": rows.to(torch.bfloat16), "layer_ids": list(layer_ids)}, temporary)
+                temporary.replace(shard)
+    return [shard_path(out, i) for i in range(len(prompts)) if shard_path(out, i).exists()]

@@ -1,0 +1,19 @@
+"""The built-in prompt set of `dflash train-drafter`: a prompt's index names its reply shard, so a
+longer set must keep the shorter one's order; and no training prompt is one of the unseen ones."""
+
+from dflash.training.prompts import EXTRA_CHAT, default_prompts
+from dflash.training.unseen import UNSEEN_PROMPTS
+
+
+def test_a_longer_prompt_set_keeps_the_first_prompts_in_their_places():
+    everything = default_prompts(100_000)
+    assert default_prompts(478) == everything[:478]
+    assert default_prompts(120) == everything[:120]
+    assert len(set(everything)) > 1500  # 1689 on Python 3.11, a few re-exported functions repeating
+    assert set(EXTRA_CHAT) <= set(everything[478:])
+
+
+def test_no_training_prompt_is_an_unseen_prompt():
+    unseen = {message["content"] for conversations in UNSEEN_PROMPTS.values() for messages in conversations
+              for message in messages if message["role"] == "user"}
+    assert not unseen & set(default_prompts(100_000))
