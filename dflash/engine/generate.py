@@ -74,7 +74,8 @@ class Engine:
         self._grammar_tokenizer_factory = grammar_tokenizer_factory
         self._grammar_tokenizer = None
         self.speculation = speculation
-        self._speculation_memory: SpeculationMemory | None = None
+        # What generations learned of the drafters, per speculation configuration (newest last).
+        self._speculation_memories: dict[SpeculationConfig, SpeculationMemory] = {}
         if speculation.drafter == "dflash" and dflash_drafter is None:
             raise ValueError("speculative drafter 'dflash' needs a draft model")
         self.max_ctx = max_ctx
@@ -169,11 +170,17 @@ class Engine:
             self._grammar_tokenizer = self._grammar_tokenizer_factory()
         return self._grammar_tokenizer
 
+    # Configurations whose memories are kept: a switch back finds what was learned under it (a bench
+    # interleaving modes then measures each as a server running it alone would); older ones are dropped.
+    REMEMBERED_CONFIGURATIONS = 8
+
     def speculation_memory(self) -> SpeculationMemory:
-        """What earlier generations learned of the drafters; forgotten when the configuration changes."""
-        if self._speculation_memory is None or self._speculation_memory.config != self.speculation:
-            self._speculation_memory = SpeculationMemory(self.speculation)
-        return self._speculation_memory
+        """What earlier generations under the current configuration learned of the drafters."""
+        memory = self._speculation_memories.pop(self.speculation, None) or SpeculationMemory(self.speculation)
+        self._speculation_memories[self.speculation] = memory  # newest last
+        while len(self._speculation_memories) > self.REMEMBERED_CONFIGURATIONS:
+            del self._speculation_memories[next(iter(self._speculation_memories))]
+        return memory
 
     def drafters(self) -> dict[str, object]:
         """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""

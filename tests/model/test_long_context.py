@@ -107,7 +107,7 @@ def test_a_bf16_model_keeps_its_kv_dtype_and_speculation_stays_lossless(bf16_har
     assert generation.stats.verification_steps > 0
 
 
-def test_the_engine_keeps_what_generations_learned_of_drafters_until_its_configuration_changes():
+def test_the_engine_keeps_what_generations_learned_of_drafters_per_configuration():
     target = ours_from_hf(tiny_hf_model("llama"), torch.bfloat16)
     ngram = SpeculationConfig(drafter="ngram", max_draft_tokens=4, ngram_min=1, ngram_max=3)
     engine = Engine(target, max_ctx=128, prefill_chunk=8, speculation=ngram)
@@ -120,3 +120,10 @@ def test_the_engine_keeps_what_generations_learned_of_drafters_until_its_configu
     assert generation.speculation.memory is memory
     engine.speculation = SpeculationConfig(drafter="ngram", max_draft_tokens=2)
     assert engine.speculation_memory() is not memory and not engine.speculation_memory().drafters
+    engine.speculation = ngram  # back: what was learned under it is there again
+    assert engine.speculation_memory() is memory
+    for block in range(3, 3 + Engine.REMEMBERED_CONFIGURATIONS):  # a bounded number of configurations is kept
+        engine.speculation = SpeculationConfig(drafter="ngram", max_draft_tokens=block)
+        engine.speculation_memory()
+    engine.speculation = ngram
+    assert engine.speculation_memory() is not memory
