@@ -1,8 +1,9 @@
 """Reply data for the drafter at GEMM speed: the target answers many prompts at once.
 
-`generate_data` decodes one prompt at a time through the engine: one row per matmul, ~12 tok/s per
-core with fp32 weights on the AVX2 VM, while a matmul over 32 rows does 32 rows' work at about the
-cost of a few. Here a batch of prompts is left-padded and decoded greedily together (plain torch,
+`generate_data` decodes one prompt at a time through the engine: one row per matmul, each reading
+all the weights (17.5–23 reply tok/s with two one-thread workers on the 2-core AVX2 VM), while a
+matmul over 32 rows does 32 rows' work for one read (41.8 reply tok/s there at 32; README "More
+reply data"). Here a batch of prompts is left-padded and decoded greedily together (plain torch,
 the target's own weights and layers, its own KV tensors), and the hidden rows at the drafter's
 target layers are kept as they are computed. The shards are `generate_data`'s, so training reads
 them the same way.
@@ -43,21 +44,22 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
     B, P = len(prompts), max(len(p) for p in prompts)
     H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
     total = P + max_new
-    pads = torch.tensor([P - len(p) for p in prompts])
-    tokens = torch.zeros(B, P, dtype=torch.long)
+    device = model.device
+    pads = torch.tensor([P - len(p) for p in prompts], device=device)
+    tokens = torch.zeros(B, P, dtype=torch.long, device=device)
     for b, prompt in enumerate(prompts):
-        tokens[b, int(pads[b]):] = torch.tensor(list(prompt))
+        tokens[b, int(pads[b]):] = torch.tensor(list(prompt), device=device)
     cos_table, sin_table = rope_tables(model.inv_freq, total, model.rope_attention_scale, model.dtype, model.device)
-    keys = torch.zeros(a.num_layers, B, KV, total, D, dtype=model.dtype)
+    keys = torch.zeros(a.num_layers, B, KV, total, D, dtype=model.dtype, device=device)
     values = torch.zeros_like(keys)
     capture = {layer: i for i, layer in enumerate(layer_ids)}
-    rows = torch.zeros(len(layer_ids), B, total, a.hidden_size, dtype=model.dtype)
-    key_index = torch.arange(total)
+    rows = torch.zeros(len(layer_ids), B, total, a.hidden_size, dtype=model.dtype, device=device)
+    key_index = torch.arange(total, device=device)
 
     def forward(new: Tensor, start: int) -> Tensor:  # new [B, T] at slots start..start+T-1 -> last logits [B, V]
         T = new.shape[1]
         end = start + T
-        slots = torch.arange(start, end)
+        slots = torch.arange(start, end, device=device)
         positions = (slots[None] - pads[:, None]).clamp(min=0)  # a row's own positions start after its padding
         cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # [B, T, 1, D]
         seen = key_index[None, None, :end]
@@ -85,19 +87,19 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
     finished = [False] * B
     logits = forward(tokens, 0)
     for step in range(max_new):
-        chosen = logits.argmax(-1)
+        chosen = logits.argmax(-1).cpu()
         for b in range(B):
             if not finished[b]:
                 outputs[b].append(int(chosen[b]))
                 finished[b] = int(chosen[b]) in stop_ids
         if all(finished) or step == max_new - 1:
             break
-        logits = forward(chosen[:, None], P + step)
+        logits = forward(chosen[:, None].to(device), P + step)
     results = []
     for b, output in enumerate(outputs):
         length = P - int(pads[b]) + len(output) - 1
         joined = torch.cat([rows[i, b, int(pads[b]) : int(pads[b]) + length] for i in range(len(layer_ids))], dim=-1)
-        results.append((output, joined))
+        results.append((output, joined.cpu()))
     return results
 
 
