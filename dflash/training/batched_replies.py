@@ -110,7 +110,7 @@ def batched_reply_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Seq
     from tqdm import tqdm
 
     from dflash.chat.template import render_prompt
-    from dflash.training.train_drafter import shard_path
+    from dflash.training.train_drafter import shard_path, write_reply_shard
 
     if batch < 1:
         raise ValueError(f"reply batch must be at least 1, got {batch}")
@@ -134,9 +134,6 @@ def batched_reply_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Seq
                 bar.update(1)
                 if len(output) < 2:
                     continue
-                shard = shard_path(out, index)
-                temporary = shard.with_suffix(".tmp")
-                torch.save({"tokens": torch.tensor(rendered[index] + output[:-1]), "response_start": len(rendered[index]),
-                            "rows": rows.to(torch.bfloat16), "layer_ids": list(layer_ids)}, temporary)
-                temporary.replace(shard)
+                write_reply_shard(shard_path(out, index), rendered[index] + output[:-1], len(rendered[index]), rows,
+                                  layer_ids)
     return [shard_path(out, i) for i in range(len(prompts)) if shard_path(out, i).exists()]

@@ -106,6 +106,16 @@ def shard_path(out: Path, index: int) -> Path:
     return out / "data" / f"sample-{index:05d}.pt"
 
 
+def write_reply_shard(shard: Path, sequence: Sequence[int], response_start: int, rows: Tensor,
+                      layer_ids: Sequence[int]) -> None:
+    """One reply shard: prompt + reply tokens (the reply from `response_start` on), their rows in bf16.
+    Written under another name and renamed, so a shard that exists is whole."""
+    temporary = shard.with_suffix(".tmp")
+    torch.save({"tokens": torch.tensor(list(sequence)), "response_start": response_start,
+                "rows": rows.to(torch.bfloat16), "layer_ids": list(layer_ids)}, temporary)
+    temporary.replace(shard)
+
+
 def generate_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Sequence[int], tokens: int,
                   progress: bool = True, part: tuple[int, int] = (0, 1)) -> list[Path]:
     """Greedy replies with their hidden rows, one shard per prompt; existing shards are kept.
@@ -137,10 +147,7 @@ def generate_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Sequence
             # The last emitted token was never fed back: rows cover prompt + output[:-1].
             sequence = prompt_ids + output[:-1]
             rows = recorder.all_rows()[: len(sequence)]
-            temporary = shard.with_suffix(".tmp")
-            torch.save({"tokens": torch.tensor(sequence), "response_start": len(prompt_ids), "rows": rows,
-                        "layer_ids": list(layer_ids)}, temporary)
-            temporary.replace(shard)
+            write_reply_shard(shard, sequence, len(prompt_ids), rows, layer_ids)
     finally:
         engine.dflash_drafter = saved
         engine.rollback(0)
