@@ -34,7 +34,7 @@ serve: install
 	$(VENV)/bin/dflash run $(CONFIG)
 
 test: install
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -X faulthandler -m pytest -q $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/python bench/decode.py
