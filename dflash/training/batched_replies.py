@@ -40,6 +40,8 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
     including a stop token, at most `max_new`) and the rows [prompt + output - 1, len(layer_ids) * C]
     of the given layers' outputs (the last output token is never fed back, as in the engine)."""
     _check_plain_weights(model)
+    if max_new < 1:
+        raise ValueError(f"a reply needs at least one token, got max_new={max_new}")
     a = model.args
     B, P = len(prompts), max(len(p) for p in prompts)
     H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -57,7 +59,7 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
     key_index = torch.arange(total, device=device)
 
     def forward(new: Tensor, start: int) -> Tensor:  # new [B, T] at slots start..start+T-1 -> last logits [B, V]
-        T = new.shape[1]
+        B, T = new.shape
         end = start + T
         slots = torch.arange(start, end, device=device)
         positions = (slots[None] - pads[:, None]).clamp(min=0)  # a row's own positions start after its padding
@@ -83,23 +85,30 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
                 rows[capture[index], :, start:end] = x
         return model.lm_head(model.norm(x[:, -1])).float()
 
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    finished = [False] * B
+    outputs: list[list[int]] = [[] for _ in range(len(prompts))]
+    results: list[tuple[list[int], Tensor] | None] = [None] * len(prompts)
+    members = list(range(len(prompts)))  # the prompt of each batch row
     logits = forward(tokens, 0)
     for step in range(max_new):
         chosen = logits.argmax(-1).cpu()
-        for b in range(B):
-            if not finished[b]:
-                outputs[b].append(int(chosen[b]))
-                finished[b] = int(chosen[b]) in stop_ids
-        if all(finished) or step == max_new - 1:
+        for row, b in enumerate(members):
+            if results[b] is None:
+                outputs[b].append(int(chosen[row]))
+                if int(chosen[row]) in stop_ids or step == max_new - 1:
+                    length = P - int(pads[row]) + len(outputs[b]) - 1
+                    results[b] = (outputs[b], rows[:, row, int(pads[row]) : int(pads[row]) + length]
+                                  .permute(1, 0, 2).reshape(length, -1).cpu())
+        live = [row for row, b in enumerate(members) if results[b] is None]
+        if not live:
             break
+        # Finished rows leave the batch once they are an eighth of it: a decode step costs about
+        # its row count, and dropping them copies the K/V tensors, so not at every single finish.
+        if len(members) - len(live) >= max(1, len(members) // 8):
+            kept = torch.tensor(live, device=device)
+            keys, values, rows = keys[:, kept], values[:, kept], rows[:, kept]
+            pads, chosen = pads[kept], chosen[kept.cpu()]
+            members = [members[row] for row in live]
         logits = forward(chosen[:, None].to(device), P + step)
-    results = []
-    for b, output in enumerate(outputs):
-        length = P - int(pads[b]) + len(output) - 1
-        joined = torch.cat([rows[i, b, int(pads[b]) : int(pads[b]) + length] for i in range(len(layer_ids))], dim=-1)
-        results.append((output, joined.cpu()))
     return results
 
 

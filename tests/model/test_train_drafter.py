@@ -154,10 +154,31 @@ def test_batched_replies_are_the_engines_greedy_replies_with_its_rows(architectu
     assert batched[0].stat().st_mtime_ns == written
 
 
+def test_rows_that_stop_early_leave_the_batch_and_the_others_decode_on(tmp_path):
+    from dflash.training.batched_replies import batched_greedy
+
+    model = _tiny_chat_target(tmp_path / "target", "qwen3").engine.model  # the tiny llama repeats one token
+    prompts = [[5 + (i * 7 + j) % 100 for j in range(2 + 3 * i)] for i in range(5)]
+    endless = batched_greedy(model, prompts, 12, set(), (0, 2))
+    first = endless[0][0]
+    at = next(i for i, token in enumerate(first) if i > 0 and token not in first[:i])
+    stop = first[at]  # the first prompt stops there and leaves the batch
+    stopped = batched_greedy(model, prompts, 12, {stop}, (0, 2))
+    longer = 0
+    for prompt, (full, full_rows), (output, rows) in zip(prompts, endless, stopped):
+        assert output == (full[: full.index(stop) + 1] if stop in full else full)
+        assert rows.shape == (len(prompt) + len(output) - 1, 2 * model.args.hidden_size)
+        torch.testing.assert_close(rows, full_rows[: len(rows)], atol=1e-4, rtol=1e-4)
+        longer += len(output) > at + 1
+    assert len(stopped[0][0]) == at + 1 < 12 and longer >= 1  # someone decoded on after the first row left
+
+
 def test_batched_replies_refuse_what_they_cannot_do(tiny_target, tmp_path):
     from dflash.engine.quant import quantize_linears
     from dflash.training.batched_replies import batched_greedy, batched_reply_data
 
+    with pytest.raises(ValueError, match="at least one token, got max_new=0"):
+        batched_greedy(tiny_target.engine.model, [[5, 9]], 0, set(), (0,))
     with pytest.raises(ValueError, match="reply batch must be at least 1, got 0"):
         batched_reply_data(tiny_target, ["t5"], tmp_path, (0, 2), tokens=8, batch=0, progress=False)
     with pytest.raises(ValueError, match="prompt 1 has .* tokens: more than the 156"):
