@@ -154,7 +154,7 @@ def test_batched_replies_are_the_engines_greedy_replies_with_its_rows(architectu
     assert batched[0].stat().st_mtime_ns == written
 
 
-def test_rows_that_stop_early_leave_the_batch_and_the_others_decode_on(tmp_path):
+def test_replies_that_stop_early_leave_the_batch_and_the_rest_decode_unchanged(tmp_path):
     from dflash.training.batched_replies import batched_greedy
 
     model = _tiny_chat_target(tmp_path / "target", "qwen3").engine.model  # the tiny llama repeats one token
