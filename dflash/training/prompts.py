@@ -2,7 +2,8 @@
 chat questions about the standard library, coding tasks from its docstrings, code-editing turns
 over its own small functions, and tool-use style turns; then (`EXTRA_CHAT` and more modules) everyday
 chat and more of the same, appended after the first set so that a prompt's index, which names its
-reply shard, stays the same when the count grows."""
+reply shard, stays the same when the count grows; past the first 1100 (what the shipped drafter was
+trained on) the rest of those mixed with `EVERYDAY_CHAT`, chat in many more shapes."""
 
 from __future__ import annotations
 
@@ -67,6 +68,89 @@ EXTRA_MODULES = ["collections", "datetime", "enum", "logging", "argparse", "subp
                  "mimetypes", "locale", "gettext", "platform", "sysconfig", "traceback", "warnings"]
 
 
+# The third tier (after the first 1100 prompts, mixed with the rest of the second): everyday chat
+# in many shapes, since chat is where the drafter was weakest (τ 1.08, a slot-1 hit rate of 8% on the
+# unseen chat prompts with 92 chat prompts of 1100). Written for this list; none is an unseen prompt.
+_ACTIVITIES = ["baking sourdough bread", "camping in the rain", "learning the guitar", "painting with watercolors",
+               "birdwatching", "growing tomatoes on a balcony", "knitting a scarf", "swimming laps", "rock climbing",
+               "writing a journal", "playing chess", "hiking in the mountains", "brewing coffee at home",
+               "cycling to work", "doing yoga at home", "learning to juggle", "building a birdhouse",
+               "baking cookies with kids", "training a puppy", "keeping a fish tank", "organizing a closet",
+               "planning a birthday party", "moving to a new apartment", "hosting a dinner party", "ice skating",
+               "learning to swim as an adult", "making pottery", "writing poetry", "photographing the night sky",
+               "playing the piano", "learning to sew", "fixing a leaky faucet", "painting a room",
+               "decorating a small bedroom", "shopping for groceries on a budget", "meal prepping for the week",
+               "packing for a long flight", "visiting a museum", "running a marathon", "learning to skateboard",
+               "planting a tree", "making homemade pasta", "fishing in a lake", "kayaking", "playing tennis",
+               "caring for an elderly parent", "volunteering at a food bank", "writing a novel",
+               "learning sign language", "teaching a child to ride a bike"]
+_ACTIVITY_ASKS = ["Give me some tips for {}.", "What should a beginner know about {}?",
+                  "What are common mistakes people make when {}?"]
+_CONCEPTS = ["gravity", "electricity", "magnetism", "evolution", "the immune system", "climate change", "erosion",
+             "volcanoes", "earthquakes", "rainbows", "the seasons", "the moon's phases", "friction", "sound waves",
+             "static electricity", "fermentation", "digestion", "sleep cycles", "muscle growth", "the placebo effect",
+             "memory", "habits", "taxes", "interest rates", "a budget", "insurance", "a mortgage", "democracy",
+             "the stock market", "recycling", "renewable energy", "nuclear power", "antibiotics", "allergies",
+             "the speed of light", "time zones", "leap years", "the internet", "email", "a password manager",
+             "batteries", "microwaves", "rain", "snowflakes", "the northern lights", "coral reefs", "bees",
+             "migration of birds", "the food chain", "composting"]
+_CONCEPT_ASKS = ["Explain {} in simple terms.", "Why is {} important?", "What is a common misconception about {}?"]
+_FIGURES = ["Abraham Lincoln", "Frida Kahlo", "Mahatma Gandhi", "Amelia Earhart", "Ludwig van Beethoven",
+            "Rosalind Franklin", "Julius Caesar", "Florence Nightingale", "Nikola Tesla", "Harriet Tubman",
+            "Wolfgang Amadeus Mozart", "Martin Luther King Jr.", "Katherine Johnson", "Genghis Khan",
+            "William Shakespeare", "Queen Victoria", "Louis Pasteur", "Confucius", "Vincent van Gogh", "Rachel Carson",
+            "Napoleon Bonaparte", "Sally Ride", "Johannes Gutenberg", "Pablo Picasso", "Thomas Edison",
+            "Emmeline Pankhurst", "Srinivasa Ramanujan", "Joan of Arc", "Benjamin Franklin", "Hypatia"]
+_FIGURE_ASKS = ["Tell me about {} in a few sentences.", "What can we learn from the life of {}?"]
+_PLACES = ["Iceland", "Kyoto", "the Sahara desert", "the Amazon rainforest", "Venice", "New Zealand", "Peru",
+           "Morocco", "the Grand Canyon", "Norway's fjords", "Istanbul", "Cape Town", "Vietnam", "the Scottish Highlands",
+           "Patagonia", "Prague", "the Great Barrier Reef", "Mexico City", "Lisbon", "the Swiss Alps", "Cairo",
+           "Vancouver", "Bali", "Edinburgh", "Buenos Aires"]
+_PLACE_ASKS = ["What should I see on a first visit to {}?", "Describe {} to someone who has never been there."]
+_FOODS = ["risotto", "pancakes", "a vegetable curry", "guacamole", "banana bread", "a simple omelette", "hummus",
+          "tomato soup", "fried rice", "lemonade", "a Greek salad", "chili", "roasted vegetables", "apple pie",
+          "scrambled tofu", "miso soup", "granola", "a stir-fry", "mashed potatoes", "pizza dough"]
+_FOOD_ASKS = ["How do I make {}?", "What goes well with {}?"]
+_PAIRS = [("a cold", "the flu"), ("a rabbit", "a hare"), ("a lake", "a pond"), ("a blizzard", "a snowstorm"),
+          ("a democracy", "a republic"), ("a debit card", "a credit card"), ("an emu", "an ostrich"),
+          ("a psychologist", "a psychiatrist"), ("sunscreen", "sunblock"), ("a bay", "a gulf"), ("a poem", "a song"),
+          ("espresso", "drip coffee"), ("a novel", "a novella"), ("a wolf", "a coyote"), ("a mountain", "a hill"),
+          ("a mushroom", "a toadstool"), ("an ape", "a monkey"), ("a tortoise", "a turtle"), ("a duvet", "a comforter"),
+          ("a loan", "a grant"), ("a cyclone", "a typhoon"), ("a star", "a planet"), ("a fruit", "a vegetable"),
+          ("a job", "a career"), ("a skill", "a talent"), ("a habit", "a routine"), ("a lawyer", "an attorney"),
+          ("a thesis", "a dissertation"), ("a cello", "a double bass"), ("a canoe", "a kayak")]
+_WRITING = [("a short poem", "the first snow of winter"), ("a short story", "a dragon who is afraid of the dark"),
+            ("a haiku", "morning coffee"), ("a toast", "my best friend's wedding"), ("a short story", "a time traveler at a farmers market"),
+            ("a limerick", "a cat who loves to sleep"), ("a letter", "my future self"), ("a short poem", "a city at dawn"),
+            ("a motivational message", "a friend starting a new job"), ("a short story", "two strangers stuck in an elevator"),
+            ("a product description", "a handmade wooden chair"), ("a short poem", "a summer thunderstorm"),
+            ("an invitation", "a neighborhood picnic"), ("a short fable", "a fox and a crow"),
+            ("a short story", "a lighthouse keeper's last night"), ("a riddle", "a clock"),
+            ("a short speech", "the value of kindness"), ("a get-well note", "a coworker"),
+            ("a short poem", "an old oak tree"), ("a bedtime story", "a sleepy bear")]
+_DECISIONS = ["buying a used car", "choosing a college major", "adopting a cat", "starting a small business",
+              "switching careers at forty", "renting a place with a friend", "buying an electric bike",
+              "learning a second language", "moving to the countryside", "taking a gap year", "getting a dog",
+              "buying a house", "changing jobs", "going back to school", "planning a wedding"]
+_DECISION_ASKS = ["What should I consider before {}?", "What are the pros and cons of {}?"]
+_ODD_QUESTIONS = ["Why do cats purr?", "Why do we yawn?", "Why is the ocean salty?", "Why do onions make us cry?",
+                  "Why do leaves fall in autumn?", "Why do we dream?", "How do bees make honey?",
+                  "How do birds know where to fly in winter?", "Why do we get goosebumps?", "Why is ice slippery?",
+                  "How do chameleons change color?", "Why do stars twinkle?", "Why do our ears pop on airplanes?",
+                  "How does a compass work?", "Why does bread go stale?", "How do whales communicate?",
+                  "Why do some people snore?", "How do plants know which way is up?", "Why is yawning contagious?",
+                  "Why do dogs wag their tails?"]
+EVERYDAY_CHAT = ([ask.format(a) for a in _ACTIVITIES for ask in _ACTIVITY_ASKS]
+                 + [ask.format(c) for c in _CONCEPTS for ask in _CONCEPT_ASKS]
+                 + [ask.format(f) for f in _FIGURES for ask in _FIGURE_ASKS]
+                 + [ask.format(p) for p in _PLACES for ask in _PLACE_ASKS]
+                 + [ask.format(f) for f in _FOODS for ask in _FOOD_ASKS]
+                 + [f"What is the difference between {a} and {b}?" for a, b in _PAIRS]
+                 + [f"Write {form} about {subject}." for form, subject in _WRITING]
+                 + [ask.format(d) for d in _DECISIONS for ask in _DECISION_ASKS]
+                 + _ODD_QUESTIONS)
+
+
 def _functions(module_name: str):
     module = importlib.import_module(module_name)
     for name, value in sorted(vars(module).items()):
@@ -100,6 +184,9 @@ def python_topic_prompts() -> list[str]:
     return [f"Explain the Python topic '{name}' with a short example." for name in sorted(topics)]
 
 
+FIRST_TWO_TIERS = 1100  # the prompts the shipped drafter was trained on keep their indices
+
+
 def default_prompts(limit: int = 400, seed: int = 0) -> list[str]:
     prompts = list(CHAT) + _module_prompts(MODULES)
     files = ["src/app.py", "tests/test_app.py", "README.md", "setup.cfg", "src/util.py"]
@@ -114,4 +201,11 @@ def default_prompts(limit: int = 400, seed: int = 0) -> list[str]:
     # every index keeps naming the prompt it named when the README's runs were made.
     extra = EXTRA_CHAT + python_topic_prompts() + _module_prompts(EXTRA_MODULES)
     rng.shuffle(extra)
-    return (prompts + extra)[:limit]
+    second = prompts + extra
+    if limit <= FIRST_TWO_TIERS:
+        return second[:limit]
+    # Prompts past the ones the shipped drafters were trained on mix the rest of the second tier with
+    # the everyday chat, so a run that takes some of them gets both kinds.
+    rest = second[FIRST_TWO_TIERS:] + EVERYDAY_CHAT
+    rng.shuffle(rest)
+    return (second[:FIRST_TWO_TIERS] + rest)[:limit]
