@@ -2,8 +2,8 @@
 chat questions about the standard library, coding tasks from its docstrings, code-editing turns
 over its own small functions, and tool-use style turns; then (`EXTRA_CHAT` and more modules) everyday
 chat and more of the same, appended after the first set so that a prompt's index, which names its
-reply shard, stays the same when the count grows; past the first 1100 (what the shipped drafter was
-trained on) the rest of those mixed with `EVERYDAY_CHAT`, chat in many more shapes."""
+reply shard, stays the same when the count grows; past the first 1100 (the most any drafter before
+this tier saw), the rest of those mixed with `EVERYDAY_CHAT`, chat in many more shapes."""
 
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ EXTRA_MODULES = ["collections", "datetime", "enum", "logging", "argparse", "subp
 
 
 # The third tier (after the first 1100 prompts, mixed with the rest of the second): everyday chat
-# in many shapes, since chat is where the drafter was weakest (τ 1.08, a slot-1 hit rate of 8% on the
-# unseen chat prompts with 92 chat prompts of 1100). Written for this list; none is an unseen prompt.
+# in many shapes, since chat is where the drafter was weakest (τ 1.1 on the unseen chat prompts, with 92
+# chat prompts of 1100). Written for this list; none is an unseen prompt.
 _ACTIVITIES = ["baking sourdough bread", "camping in the rain", "learning the guitar", "painting with watercolors",
                "birdwatching", "growing tomatoes on a balcony", "knitting a scarf", "swimming laps", "rock climbing",
                "writing a journal", "playing chess", "hiking in the mountains", "brewing coffee at home",
@@ -184,7 +184,7 @@ def python_topic_prompts() -> list[str]:
     return [f"Explain the Python topic '{name}' with a short example." for name in sorted(topics)]
 
 
-FIRST_TWO_TIERS = 1100  # the prompts the shipped drafter was trained on keep their indices
+FIRST_TWO_TIERS = 1100  # the runs made before the third tier keep their prompts at their indices
 
 
 def default_prompts(limit: int = 400, seed: int = 0) -> list[str]:

@@ -15,7 +15,7 @@ def test_a_longer_prompt_set_keeps_the_first_prompts_in_their_places():
     assert default_prompts(FIRST_TWO_TIERS + 300) == everything[: FIRST_TWO_TIERS + 300]
 
 
-def test_the_everyday_chat_comes_after_the_prompts_the_shipped_drafter_saw_mixed_with_the_rest():
+def test_the_everyday_chat_comes_after_the_first_two_tiers_mixed_with_the_rest_of_the_second():
     everything = default_prompts(100_000)
     assert set(EVERYDAY_CHAT) <= set(everything[FIRST_TWO_TIERS:])
     assert not set(EVERYDAY_CHAT) & set(everything[:FIRST_TWO_TIERS])
