@@ -125,7 +125,8 @@ def _chat(args: argparse.Namespace) -> int:
 def _add_train_drafter(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     train.add_argument("--target", default=_MODEL_DEFAULTS.source, help="the target model source")
-    train.add_argument("--out", required=True, help="output folder (z-lab checkpoint layout + data + state)")
+    train.add_argument("--out", required=True, help="output folder (z-lab checkpoint layout + data + state; data-runs.jsonl: "
+                            "what each sitting's data stages made and how long they took)")
     train.add_argument("--layers", type=int, default=1, help="draft layers")
     train.add_argument("--block-size", type=int, default=8)
     train.add_argument("--target-layer-ids", type=lambda text: tuple(int(x) for x in text.split(",")),
@@ -196,6 +197,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
     layer_ids = args.target_layer_ids or tuple(build_target_layer_ids(loaded.engine.model.args.num_layers, args.layers))
     out = Path(args.out)
     prompts = prompts[: args.prompt_count]
+    existing = set((out / "data").glob("*.pt"))
+    started = time.perf_counter()
     if args.reply_batch > 0:
         from dflash.training.batched_replies import batched_reply_data
 
@@ -205,19 +208,49 @@ def _train_drafter(args: argparse.Namespace) -> int:
                                         layer_ids, args.tokens, args.data_workers)
     else:
         shards = generate_data(loaded, prompts, out, layer_ids, args.tokens)
-    if args.corpus_tokens > 0 and args.data_workers > 1:
-        shards += prefill_data_parallel(args.target, args.dtype, None, args.threads, loaded.tokenizer, out, layer_ids,
-                                        args.corpus_tokens, args.window, mix, args.data_workers)
-    elif args.corpus_tokens > 0:
-        shards += prefill_data(loaded, out, layer_ids, args.corpus_tokens, args.window, mix)
+    data_runs = [_record_data_run(out, "replies", [s for s in shards if s not in existing],
+                                  time.perf_counter() - started, args)]
+    if args.corpus_tokens > 0:
+        started = time.perf_counter()
+        if args.data_workers > 1:
+            forced = prefill_data_parallel(args.target, args.dtype, None, args.threads, loaded.tokenizer, out,
+                                           layer_ids, args.corpus_tokens, args.window, mix, args.data_workers)
+        else:
+            forced = prefill_data(loaded, out, layer_ids, args.corpus_tokens, args.window, mix)
+        data_runs.append(_record_data_run(out, "teacher forcing", [s for s in forced if s not in existing],
+                                          time.perf_counter() - started, args))
+        shards += forced
     options = TrainOptions(layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
                            tokens_per_response=args.tokens, steps=args.steps, anchors=args.anchors,
                            learning_rate=args.learning_rate, reply_share=args.reply_share,
                            eval_every=args.eval_every, eval_tokens=args.eval_tokens)
     summary = train(loaded, shards, out, options, choose_mask_token(loaded.tokenizer), resume=args.resume)
     summary.pop("history")
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({**summary, "data_runs": data_runs}, indent=2))
     return 0
+
+
+def _record_data_run(out: Path, stage: str, new_shards: list[Path], seconds: float, args: argparse.Namespace) -> dict:
+    """What one data stage of `train-drafter` wrote this time (shards already there are not counted)
+    and how long it took: printed, and appended to OUT/data-runs.jsonl, which keeps every sitting's."""
+    import json
+
+    from dflash.engine.cpu import cpu_kind
+    from dflash.training.train_drafter import data_tally
+
+    out.mkdir(parents=True, exist_ok=True)
+    tally = data_tally(new_shards)
+    made = tally["reply_tokens"] if stage == "replies" else tally["teacher_forced_tokens"]
+    record = {"stage": stage, "shards": len(new_shards), **tally, "seconds": round(seconds, 2),
+              "tokens_per_second": round(made / seconds, 1) if new_shards and seconds > 0 else None,
+              "cpu": cpu_kind(), "threads": args.threads, "data_workers": args.data_workers,
+              "reply_batch": args.reply_batch, "dtype": args.dtype}
+    with (out / "data-runs.jsonl").open("a") as runs:
+        runs.write(json.dumps(record) + "\n")
+    print(f"{stage}: {len(new_shards)} new shards, {tally['prompt_tokens']} prompt + {tally['reply_tokens']} reply "
+          f"+ {tally['teacher_forced_tokens']} teacher-forced tokens in {seconds:.1f} s "
+          f"({record['tokens_per_second']} tok/s made)", flush=True)
+    return record
 
 
 def _add_cache(commands: argparse._SubParsersAction) -> None:

@@ -199,6 +199,23 @@ def load_sample(path: Path) -> dict:
     return torch.load(path, mmap=True, weights_only=False)
 
 
+def data_tally(shards: Iterable[Path]) -> dict[str, int]:
+    """What a set of shards holds, in tokens: for reply shards the prompts, their prompt tokens and
+    the reply tokens the target generated (a shard stores every reply token but the last, which has
+    no successor to train on, so one more than it stores); for teacher-forced shards their tokens."""
+    tally = {"reply_prompts": 0, "prompt_tokens": 0, "reply_tokens": 0, "teacher_forced_tokens": 0}
+    for shard in shards:
+        sample = load_sample(shard)
+        length = int(sample["tokens"].shape[0])
+        if "greedy" in sample:
+            tally["teacher_forced_tokens"] += length
+        else:
+            tally["reply_prompts"] += 1
+            tally["prompt_tokens"] += sample["response_start"]
+            tally["reply_tokens"] += length - sample["response_start"] + 1
+    return tally
+
+
 def anchor_candidates(sample: dict) -> Tensor:
     """Positions a block may start at. A reply shard's tokens from `response_start` on are the
     target's greedy output, so every reply position with a successor qualifies. In a teacher-forced

@@ -187,3 +187,45 @@ def test_batched_replies_refuse_what_they_cannot_do(tiny_target, tmp_path):
     quantize_linears(quantized.engine.model, "int8")
     with pytest.raises(ValueError, match="need the target's float weights, but layers.0.attention.wqkv is Int8Linear"):
         batched_greedy(quantized.engine.model, [[5, 9]], 4, set(), (0,))
+
+
+def test_train_drafter_records_what_each_sitting_made_and_how_long_it_took(tiny_target, tmp_path, capsys):
+    import json
+
+    from dflash.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"t{5 + i} t{9 + i} t{30 + i}" for i in range(4)) + "\n")
+    out = tmp_path / "run"
+    command = ["train-drafter", "--target", str(tiny_target.folder), "--out", str(out), "--prompts", str(prompts),
+               "--prompt-count", "3", "--tokens", "10", "--reply-batch", "2", "--corpus-tokens", "300",
+               "--window", "128", "--steps", "2", "--anchors", "2", "--block-size", "4", "--dtype", "float32",
+               "--threads", "1", "--target-layer-ids", "0,2"]
+    assert main(command) == 0
+    printed = capsys.readouterr().out
+    replies, forced = [json.loads(line) for line in (out / "data-runs.jsonl").read_text().splitlines()]
+    reply_shards = [torch.load(p, weights_only=False) for p in sorted((out / "data").glob("sample-*.pt"))]
+    forced_shards = [torch.load(p, weights_only=False) for p in sorted((out / "data").glob("prefill-*.pt"))]
+    assert len(reply_shards) == 3 and len(forced_shards) >= 3
+    assert replies["stage"] == "replies" and replies["shards"] == replies["reply_prompts"] == 3
+    assert replies["prompt_tokens"] == sum(s["response_start"] for s in reply_shards)
+    # Each shard stores its reply but the last generated token.
+    assert replies["reply_tokens"] == sum(len(s["tokens"]) - s["response_start"] + 1 for s in reply_shards)
+    assert replies["teacher_forced_tokens"] == 0 and replies["seconds"] > 0
+    seconds = replies["seconds"]  # rounded to 0.01 s
+    assert replies["reply_tokens"] / (seconds + 0.006) <= replies["tokens_per_second"] <= replies["reply_tokens"] / (seconds - 0.006) + 0.1
+    assert replies["reply_batch"] == 2 and replies["threads"] == 1 and replies["cpu"]
+    assert forced["stage"] == "teacher forcing" and forced["shards"] == len(forced_shards)
+    assert forced["teacher_forced_tokens"] == sum(len(s["tokens"]) for s in forced_shards) and forced["reply_tokens"] == 0
+    assert f"replies: 3 new shards, {replies['prompt_tokens']} prompt + {replies['reply_tokens']} reply" in printed
+    assert json.loads(printed[printed.index("{"):])["data_runs"] == [replies, forced]
+
+    # A later sitting with one prompt more counts only what it made, and keeps the earlier records.
+    assert main([*command[:command.index("--prompt-count") + 1], "4", *command[command.index("--tokens"):],
+                 "--resume"]) == 0
+    records = [json.loads(line) for line in (out / "data-runs.jsonl").read_text().splitlines()]
+    assert records[:2] == [replies, forced] and len(records) == 4
+    newest = torch.load(out / "data" / "sample-00003.pt", weights_only=False)
+    assert records[2]["shards"] == 1 and records[2]["prompt_tokens"] == newest["response_start"]
+    assert records[3]["shards"] == 0 and records[3]["teacher_forced_tokens"] == 0
+    assert records[3]["tokens_per_second"] is None
