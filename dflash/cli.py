@@ -155,6 +155,9 @@ def _add_train_drafter(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--eval-every", type=int, default=0,
                        help="measure τ on the fixed unseen prompts every N steps (the curve goes to training.json)")
     train.add_argument("--eval-tokens", type=int, default=48, help="tokens decoded per unseen prompt when measuring τ")
+    train.add_argument("--init-from-target-layers", type=lambda text: tuple(int(x) for x in text.split(",")),
+                       help="comma-separated target layers, one per draft layer, whose weights start the draft "
+                            "layers (default: random)")
     train.add_argument("--resume", action="store_true", help="continue from the folder's last checkpoint")
     train.set_defaults(handler=_train_drafter)
 
@@ -223,7 +226,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
     options = TrainOptions(layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
                            tokens_per_response=args.tokens, steps=args.steps, anchors=args.anchors,
                            learning_rate=args.learning_rate, reply_share=args.reply_share,
-                           eval_every=args.eval_every, eval_tokens=args.eval_tokens)
+                           eval_every=args.eval_every, eval_tokens=args.eval_tokens,
+                           init_from_target_layers=args.init_from_target_layers)
     summary = train(loaded, shards, out, options, choose_mask_token(loaded.tokenizer), resume=args.resume)
     summary.pop("history")
     print(json.dumps({**summary, "data_runs": data_runs}, indent=2))

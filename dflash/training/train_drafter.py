@@ -51,6 +51,8 @@ class TrainOptions:
     eval_every: int = 0  # steps between τ measurements on the unseen prompts (unseen.py); 0 = never
     eval_tokens: int = 48  # tokens decoded per unseen prompt
     seed: int = 0
+    # Target layers whose weights start the draft layers (one per draft layer), instead of random ones.
+    init_from_target_layers: tuple[int, ...] | None = None
 
 
 class HiddenRecorder:
@@ -216,6 +218,51 @@ def data_tally(shards: Iterable[Path]) -> dict[str, int]:
     return tally
 
 
+def draft_config(a, layers: int, block_size: int, layer_ids: Sequence[int], mask_token: int) -> DFlashConfig:
+    """A drafter for the target of ModelArgs `a`: its layers shaped as the target's."""
+    return DFlashConfig(
+        hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=layers,
+        num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, block_size=block_size,
+        mask_token_id=mask_token, target_layer_ids=tuple(layer_ids), num_target_layers=a.num_layers,
+        vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_position_embeddings,
+    )
+
+
+@torch.no_grad()
+def copy_target_layers(draft, target, layer_ids: Sequence[int]) -> None:
+    """Start draft layer i from target layer layer_ids[i] (its attention, MLP and norms; the draft's
+    q/k norms from the target's where it has them, else left at one) and the draft's final norm from
+    the target's, which feeds the same LM head. A warm start: the draft layers read other inputs
+    (block embeddings, and the context's projected rows as keys and values) than the target's did."""
+    if len(layer_ids) != len(draft.layers):
+        raise ValueError(f"{len(layer_ids)} target layers {list(layer_ids)} for {len(draft.layers)} draft layers")
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < len(target.layers):
+            raise ValueError(f"target layer {layer_id} does not exist: the target has {len(target.layers)} layers")
+    for mine, layer_id in zip(draft.layers, layer_ids):
+        theirs = target.layers[layer_id]
+        attention, feed_forward = theirs.attention, theirs.feed_forward
+        if attention.wqkv.bias is not None:
+            raise ValueError(f"target layer {layer_id} has attention biases, which draft layers do not")
+        q, k, v = attention.wqkv.weight.split([mine.self_attn.q_proj.weight.shape[0],
+                                               mine.self_attn.k_proj.weight.shape[0],
+                                               mine.self_attn.v_proj.weight.shape[0]])
+        for param, value in ((mine.self_attn.q_proj.weight, q), (mine.self_attn.k_proj.weight, k),
+                             (mine.self_attn.v_proj.weight, v), (mine.self_attn.o_proj.weight, attention.wo.weight),
+                             (mine.mlp.down_proj.weight, feed_forward.w2.weight),
+                             (mine.input_layernorm.weight, theirs.attention_norm.weight),
+                             (mine.post_attention_layernorm.weight, theirs.ffn_norm.weight)):
+            param.copy_(value)
+        gate, up = feed_forward.w13.weight.split(feed_forward.intermediate_size)
+        mine.mlp.gate_proj.weight.copy_(gate)
+        mine.mlp.up_proj.weight.copy_(up)
+        if attention.q_norm is not None:
+            mine.self_attn.q_norm.weight.copy_(attention.q_norm.weight)
+            mine.self_attn.k_norm.weight.copy_(attention.k_norm.weight)
+    draft.norm.weight.copy_(target.norm.weight)
+
+
 def anchor_candidates(sample: dict) -> Tensor:
     """Positions a block may start at. A reply shard's tokens from `response_start` on are the
     target's greedy output, so every reply position with a successor qualifies. In a teacher-forced
@@ -336,15 +383,11 @@ def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_tok
     target.requires_grad_(False)  # frozen: only the drafter learns
     a = target.args
     layer_ids = options.target_layer_ids or tuple(build_target_layer_ids(a.num_layers, options.layers))
-    config = DFlashConfig(
-        hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=options.layers,
-        num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, block_size=options.block_size,
-        mask_token_id=mask_token, target_layer_ids=tuple(layer_ids), num_target_layers=a.num_layers,
-        vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-        max_position_embeddings=a.max_position_embeddings,
-    )
+    config = draft_config(a, options.layers, options.block_size, layer_ids, mask_token)
     torch.manual_seed(options.seed)
     draft = random_draft_model(config, seed=options.seed, dtype=torch.float32).train()
+    if options.init_from_target_layers:
+        copy_target_layers(draft, target, options.init_from_target_layers)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=options.learning_rate, weight_decay=0.0)
     state_path = out / "train_state.pt"
     step = 0

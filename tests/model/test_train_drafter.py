@@ -229,3 +229,60 @@ def test_train_drafter_records_what_each_sitting_made_and_how_long_it_took(tiny_
     assert records[2]["shards"] == 1 and records[2]["prompt_tokens"] == newest["response_start"]
     assert records[3]["shards"] == 0 and records[3]["teacher_forced_tokens"] == 0
     assert records[3]["tokens_per_second"] is None
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])  # without and with q/k norms
+def test_draft_layers_can_start_from_the_targets_layers(architecture, tmp_path):
+    import torch.nn.functional as F
+
+    from dflash.engine.drafters.dflash import random_draft_model
+    from dflash.engine.kv import KVCache
+    from dflash.engine.model import rope_tables
+    from dflash.training.train_drafter import copy_target_layers, draft_config
+
+    loaded = _tiny_chat_target(tmp_path / "target", architecture)
+    target = loaded.engine.model
+    a = target.args
+    draft = random_draft_model(draft_config(a, 2, 4, (0, 2), 126))
+    copy_target_layers(draft, target, (2, 1))
+    attention, mine = target.layers[2].attention, draft.layers[0].self_attn
+    q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    assert torch.equal(mine.q_proj.weight, attention.wqkv.weight[:q_size])
+    assert torch.equal(mine.k_proj.weight, attention.wqkv.weight[q_size:q_size + kv_size])
+    assert torch.equal(draft.layers[1].mlp.up_proj.weight, target.layers[1].feed_forward.w13.weight[a.intermediate_size:])
+    if attention.q_norm is not None:
+        assert torch.equal(mine.k_norm.weight, attention.k_norm.weight)
+
+    # One row with no context attends to itself alone, as the target's first token does: a draft of
+    # the target's layer 2 alone maps it as target layer 2 does (then the target's final norm).
+    single = random_draft_model(draft_config(a, 1, 4, (0, 2), 126))
+    copy_target_layers(single, target, (2,))
+    x = target.embed(torch.tensor([7]))
+    layer = target.layers[2]
+    v = layer.attention.wqkv(layer.attention_norm(x))[:, q_size + kv_size:].view(a.num_kv_heads, a.head_dim)
+    heads = v.repeat_interleave(a.num_heads // a.num_kv_heads, dim=0).reshape(1, -1)
+    h = x + layer.attention.wo(heads)
+    gate, up = layer.feed_forward.w13(layer.ffn_norm(h)).split(a.intermediate_size, dim=-1)
+    expected = target.norm(h + layer.feed_forward.w2(F.silu(gate) * up))
+    kv = KVCache(1, a.num_kv_heads, 8, a.head_dim, torch.float32, torch.device("cpu"))
+    cos, sin = rope_tables(single.inv_freq.float(), 8, 1.0, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        got = single(torch.zeros(0, a.hidden_size), x, kv, cos.unsqueeze(1), sin.unsqueeze(1))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+    with pytest.raises(ValueError, match=r"1 target layers \[2\] for 2 draft layers"):
+        copy_target_layers(draft, target, (2,))
+    with pytest.raises(ValueError, match=f"target layer {a.num_layers} does not exist"):
+        copy_target_layers(draft, target, (0, a.num_layers))
+
+
+def test_a_training_run_starts_from_the_named_target_layers(tiny_target, tmp_path):
+    from dflash.engine.drafters.dflash import load_dflash_checkpoint
+
+    shards = generate_data(tiny_target, ["t5 t9 t20", "t6 t10 t21"], tmp_path, (0, 2), tokens=12, progress=False)
+    options = TrainOptions(block_size=4, target_layer_ids=(0, 2), layers=2, steps=0, init_from_target_layers=(1, 2))
+    train(tiny_target, shards, tmp_path, options, choose_mask_token(tiny_target.tokenizer), progress=False)
+    draft = load_dflash_checkpoint(tmp_path)  # saved in bf16
+    target = tiny_target.engine.model
+    assert torch.equal(draft.layers[0].mlp.down_proj.weight, target.layers[1].feed_forward.w2.weight.to(torch.bfloat16))
+    assert torch.equal(draft.norm.weight, target.norm.weight.to(torch.bfloat16))
