@@ -2,6 +2,8 @@
 
 Greedy, a full block every verification (no adaptive policy), the same measurement that
 `dflash train-drafter --eval-every` writes to training.json, but on the served weight format.
+`--slots` adds each block slot's hit rate per prompt type: slot k's share of accepted drafts among
+the verifications whose slots before k were all accepted.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/unseen_acceptance.py --weights int4 --tokens 32 \\
         dflash/drafters/smollm2-135m-instruct-b8 [OTHER_DRAFTER_DIR ...]
@@ -19,7 +21,12 @@ import torch  # noqa: E402
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.drafters.dflash import load_dflash_checkpoint  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
-from dflash.training.unseen import UNSEEN_PROMPTS, unseen_acceptance  # noqa: E402
+from dflash.training.unseen import (  # noqa: E402
+    UNSEEN_PROMPTS,
+    acceptance_length,
+    slot_hit_rates,
+    unseen_verifications,
+)
 
 
 def main() -> None:
@@ -29,16 +36,29 @@ def main() -> None:
     parser.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per prompt")
+    parser.add_argument("--slots", action="store_true",
+                        help="also each block slot's hit rate per prompt type (among blocks right up to it)")
     args = parser.parse_args()
     loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens}")
     print("| drafter | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
     print("|---" * (len(UNSEEN_PROMPTS) + 2) + "|")
+    slots = []
     for folder in args.drafters:
         draft = load_dflash_checkpoint(folder, getattr(torch, loaded.dtype))
-        taus = unseen_acceptance(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens)
+        verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens)
+        taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
         mean = sum(taus.values()) / len(taus)
         print(f"| {folder} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |", flush=True)
+        slots += [(folder, kind, slot_hit_rates(steps, draft.config.block_size - 1))
+                  for kind, steps in verifications.items()]
+    if args.slots:
+        width = max(len(rates) for _, _, rates in slots)
+        print("\nhit rate of each block slot, among the blocks right up to it:\n")
+        print("| drafter | prompt type | " + " | ".join(f"slot {i}" for i in range(1, width + 1)) + " |")
+        print("|---|---" + "|---" * width + "|")
+        for folder, kind, rates in slots:
+            print(f"| {folder} | {kind} | " + " | ".join("-" if r is None else f"{r:.2f}" for r in rates) + " |")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ the training data (the built-in prompt set and the corpus draw on the standard l
 written here), so the number says what a user's unseen prompt gets.
 
 `unseen_acceptance` decodes each prompt greedily with the drafter proposing a full block every step
-(no adaptive policy) and reports τ, tokens committed per verification, per prompt type.
+(no adaptive policy) and reports τ, tokens committed per verification, per prompt type;
+`slot_hit_rates` says where in the block the drafts fail.
 """
 
 from __future__ import annotations
@@ -80,6 +81,29 @@ UNSEEN_PROMPTS: dict[str, list[list[dict]]] = {
 
 def unseen_acceptance(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048) -> dict[str, float]:
     """Mean τ per prompt type for `draft` (a DFlashDraftModel) on the target; the draft is not changed."""
+    return {kind: acceptance_length(steps) for kind, steps in unseen_verifications(target, tokenizer, draft, tokens,
+                                                                                  max_ctx).items()}
+
+
+def acceptance_length(steps: list[tuple[int, int]]) -> float:
+    """τ, tokens committed per verification, of (proposed, accepted) verification steps."""
+    return round((sum(accepted for _, accepted in steps) + len(steps)) / max(len(steps), 1), 3)
+
+
+def slot_hit_rates(steps: list[tuple[int, int]], slots: int) -> list[float | None]:
+    """For slots 1..`slots`: the share of verifications that proposed the slot and accepted it, among
+    those that accepted every slot before it (None where none did). Slot 1 is where τ starts."""
+    rates = []
+    for slot in range(1, slots + 1):
+        reached = [accepted for proposed, accepted in steps if proposed >= slot and accepted >= slot - 1]
+        rates.append(round(sum(accepted >= slot for accepted in reached) / len(reached), 3) if reached else None)
+    return rates
+
+
+def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048
+                         ) -> dict[str, list[tuple[int, int]]]:
+    """Per prompt type, every verification step's (drafts proposed, drafts accepted), decoding each
+    prompt greedily with `draft` proposing a full block every step; the draft is not changed."""
     from dflash.engine.drafters.dflash import DFlashDrafter
     from dflash.engine.generate import Engine
     from dflash.engine.sampling import SamplingParams
@@ -89,18 +113,21 @@ def unseen_acceptance(target, tokenizer, draft, tokens: int = 48, max_ctx: int =
     draft.eval()
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
     engine = Engine(target, max_ctx=max_ctx, speculation=config, dflash_drafter=DFlashDrafter(draft, target, max_ctx))
-    result = {}
+    result: dict[str, list[tuple[int, int]]] = {}
     try:
         with torch.no_grad():
             for kind, conversations in UNSEEN_PROMPTS.items():
-                accepted = steps = 0
+                steps = result[kind] = []
                 for messages in conversations:
                     engine.rollback(0)
                     generation = engine.start(render_prompt(tokenizer, messages), SamplingParams(), tokens)
-                    generation.run()
-                    accepted += generation.stats.accepted_tokens
-                    steps += generation.stats.verification_steps
-                result[kind] = round((accepted + steps) / max(steps, 1), 3)
+                    stats = generation.stats
+                    while generation.finished is None:
+                        before = (stats.verification_steps, stats.draft_tokens, stats.accepted_tokens)
+                        generation.step()
+                        if stats.verification_steps > before[0]:
+                            steps.append((stats.draft_tokens - before[1], stats.accepted_tokens - before[2]))
+                    generation.close()
     finally:
         draft.train(was_training)
     return result

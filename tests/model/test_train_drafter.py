@@ -286,3 +286,31 @@ def test_a_training_run_starts_from_the_named_target_layers(tiny_target, tmp_pat
     target = tiny_target.engine.model
     assert torch.equal(draft.layers[0].mlp.down_proj.weight, target.layers[1].feed_forward.w2.weight.to(torch.bfloat16))
     assert torch.equal(draft.norm.weight, target.norm.weight.to(torch.bfloat16))
+
+
+def test_unseen_verifications_are_every_verification_of_the_run(tiny_target):
+    from dflash.engine.drafters.dflash import DFlashDrafter, random_draft_model
+    from dflash.engine.generate import Engine
+    from dflash.engine.sampling import SamplingParams
+    from dflash.engine.speculative import SpeculationConfig
+    from dflash.chat.template import render_prompt
+    from dflash.training.train_drafter import draft_config
+    from dflash.training.unseen import UNSEEN_PROMPTS, unseen_verifications
+
+    target = tiny_target.engine.model
+    draft = random_draft_model(draft_config(target.args, 1, 4, (0, 2), choose_mask_token(tiny_target.tokenizer)))
+    verifications = unseen_verifications(target, tiny_target.tokenizer, draft, tokens=12)
+    assert set(verifications) == set(UNSEEN_PROMPTS)
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
+    engine = Engine(target, max_ctx=2048, speculation=config, dflash_drafter=DFlashDrafter(draft, target, 2048))
+    for kind, conversations in UNSEEN_PROMPTS.items():
+        totals = [0, 0, 0]
+        for messages in conversations:
+            engine.rollback(0)
+            generation = engine.start(render_prompt(tiny_target.tokenizer, messages), SamplingParams(), 12)
+            generation.run()
+            stats = generation.stats
+            totals = [totals[0] + stats.verification_steps, totals[1] + stats.draft_tokens,
+                      totals[2] + stats.accepted_tokens]
+        steps = verifications[kind]
+        assert totals == [len(steps), sum(p for p, _ in steps), sum(a for _, a in steps)] and totals[0] > 0
