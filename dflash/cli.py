@@ -169,17 +169,9 @@ def _train_drafter(args: argparse.Namespace) -> int:
     logs.configure("warning", "console")
     from dflash.engine.drafters.dflash import build_target_layer_ids
     from dflash.engine.loading import ModelLoadError, load_model
-    from dflash.training.train_drafter import (
-        TrainOptions,
-        choose_mask_token,
-        generate_data,
-        generate_data_parallel,
-        train,
-        training_dtype,
-    )
     from dflash.training.corpus import parse_mix
     from dflash.training.prompts import default_prompts
-    from dflash.training.teacher_forcing import prefill_data, prefill_data_parallel
+    from dflash.training.train_drafter import training_dtype
 
     args.dtype = training_dtype(args.dtype)
     try:
@@ -198,6 +190,33 @@ def _train_drafter(args: argparse.Namespace) -> int:
     else:
         prompts = default_prompts(args.prompt_count)
     layer_ids = args.target_layer_ids or tuple(build_target_layer_ids(loaded.engine.model.args.num_layers, args.layers))
+    target_layers = loaded.engine.model.args.num_layers
+    init = args.init_from_target_layers
+    if init is not None and (len(init) != args.layers or not all(0 <= i < target_layers for i in init)):
+        # Checked before the data stages, which can take hours.
+        print(f"dflash: --init-from-target-layers {','.join(map(str, init))}: give {args.layers} target layers "
+              f"(one per --layers), each from 0 to {target_layers - 1}", file=sys.stderr)
+        return 2
+    try:
+        summary, data_runs = _make_data_and_train(args, loaded, prompts, layer_ids, mix)
+    except ValueError as exc:  # bad data or settings found on the way (a prompt too long, mismatched shards)
+        print(f"dflash: {exc}", file=sys.stderr)
+        return 2
+    summary.pop("history")
+    print(json.dumps({**summary, "data_runs": data_runs}, indent=2))
+    return 0
+
+
+def _make_data_and_train(args: argparse.Namespace, loaded, prompts: list[str], layer_ids, mix) -> tuple[dict, list[dict]]:
+    from dflash.training.teacher_forcing import prefill_data, prefill_data_parallel
+    from dflash.training.train_drafter import (
+        TrainOptions,
+        choose_mask_token,
+        generate_data,
+        generate_data_parallel,
+        train,
+    )
+
     out = Path(args.out)
     prompts = prompts[: args.prompt_count]
     existing = set((out / "data").glob("*.pt"))
@@ -229,9 +248,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
                            eval_every=args.eval_every, eval_tokens=args.eval_tokens,
                            init_from_target_layers=args.init_from_target_layers)
     summary = train(loaded, shards, out, options, choose_mask_token(loaded.tokenizer), resume=args.resume)
-    summary.pop("history")
-    print(json.dumps({**summary, "data_runs": data_runs}, indent=2))
-    return 0
+    return summary, data_runs
 
 
 def _record_data_run(out: Path, stage: str, new_shards: list[Path], seconds: float, args: argparse.Namespace) -> dict:

@@ -230,6 +230,11 @@ def test_train_drafter_records_what_each_sitting_made_and_how_long_it_took(tiny_
     assert records[3]["shards"] == 0 and records[3]["teacher_forced_tokens"] == 0
     assert records[3]["tokens_per_second"] is None
 
+    # Settings that contradict the folder's data end the command with the reason, not a traceback.
+    mismatched = [*command[:command.index("--target-layer-ids") + 1], "0,1"]
+    assert main(mismatched) == 2
+    assert "holds target layers [0, 2], not [0, 1]: delete its data folder" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])  # without and with q/k norms
 def test_draft_layers_can_start_from_the_targets_layers(architecture, tmp_path):
@@ -314,3 +319,16 @@ def test_unseen_verifications_are_every_verification_of_the_run(tiny_target):
                       totals[2] + stats.accepted_tokens]
         steps = verifications[kind]
         assert totals == [len(steps), sum(p for p, _ in steps), sum(a for _, a in steps)] and totals[0] > 0
+
+
+@pytest.mark.parametrize("layers", ["1", "0,99"])
+def test_train_drafter_refuses_bad_starting_layers_before_making_data(tiny_target, tmp_path, capsys, layers):
+    from dflash.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train-drafter", "--target", str(tiny_target.folder), "--out", str(out), "--layers", "2",
+                 "--init-from-target-layers", layers, "--threads", "1", "--dtype", "float32"]) == 2
+    last = tiny_target.engine.model.args.num_layers - 1
+    assert f"--init-from-target-layers {layers}: give 2 target layers (one per --layers), each from 0 to {last}" \
+        in capsys.readouterr().err
+    assert not out.exists()
