@@ -31,6 +31,19 @@ def tiny_target(tmp_path_factory):
     return loaded
 
 
+@pytest.fixture
+def cli_main():
+    """`dflash.cli.main`, with structlog's configuration put back afterwards: the command points the
+    logs at the sys.stderr of the moment, which under capsys is a capture file closed after the test."""
+    import structlog
+
+    from dflash.cli import main
+
+    saved = structlog.get_config()
+    yield main
+    structlog.configure(**saved)
+
+
 def test_tiny_training_run_learns_and_its_checkpoint_decodes_losslessly(tiny_target, tmp_path):
     loaded = tiny_target
     prompts = [f"t{5 + i} t{9 + i} t{20 + i}" for i in range(10)]
@@ -189,10 +202,10 @@ def test_batched_replies_refuse_what_they_cannot_do(tiny_target, tmp_path):
         batched_greedy(quantized.engine.model, [[5, 9]], 4, set(), (0,))
 
 
-def test_train_drafter_records_what_each_sitting_made_and_how_long_it_took(tiny_target, tmp_path, capsys):
+def test_train_drafter_records_what_each_sitting_made_and_how_long_it_took(tiny_target, tmp_path, capsys, cli_main):
     import json
 
-    from dflash.cli import main
+    main = cli_main
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"t{5 + i} t{9 + i} t{30 + i}" for i in range(4)) + "\n")
@@ -322,8 +335,8 @@ def test_unseen_verifications_are_every_verification_of_the_run(tiny_target):
 
 
 @pytest.mark.parametrize("layers", ["1", "0,99"])
-def test_train_drafter_refuses_bad_starting_layers_before_making_data(tiny_target, tmp_path, capsys, layers):
-    from dflash.cli import main
+def test_train_drafter_refuses_bad_starting_layers_before_making_data(tiny_target, tmp_path, capsys, layers, cli_main):
+    main = cli_main
 
     out = tmp_path / "run"
     assert main(["train-drafter", "--target", str(tiny_target.folder), "--out", str(out), "--layers", "2",
