@@ -33,7 +33,9 @@ from dflash.protocols.conversation import conversation_key
 from dflash.protocols.errors import APIError, anthropic_error_body, openai_error_body
 from dflash.protocols.openai_chat import CompletionHeader
 from dflash.protocols.response_store import ResponseStore
+from dflash.protocols.canonical import SSEEvent
 from dflash.reply import ModelText, Renderer, Replies, Reply
+from dflash.reply_stream import ReplyStream
 from dflash.responses_socket import ResponsesSocket
 from dflash.responses_turn import begin_turn
 from dflash.scheduler import Job, Scheduler
@@ -295,8 +297,8 @@ class API:
             if reply.request.stream:
                 await self._stream(writer, reply, render, first_job)
                 return None
-            async with aclosing(self.replies.events(reply, render, first_job)) as events:
-                async for _ in events:
+            async with aclosing(self.replies.events(reply, render, first_job)) as batches:
+                async for _ in batches:
                     pass  # a non-streaming reply sends nothing until the renderer's body is complete
             return Response.json(200, render.body())
         finally:
@@ -304,15 +306,15 @@ class API:
             request.log.update(reply.log_fields(with_text=self._log_text))
 
     async def _stream(self, writer: ResponseWriter, reply: Reply, render: Renderer, first_job: Job) -> None:
-        # The headers go out now, before the job runs: the keep-alive ticker covers the queue
-        # wait and the prefill, and the opening events tell the client its job has started.
-        def keepalive_frame() -> bytes:
-            return b"".join(frame(_sse_data(payload), name) for name, payload in render.keepalive())
+        # The headers go out now, before the job runs: the keep-alive covers the queue wait and
+        # the prefill, and the opening events tell the client its job has started.
+        async with open_sse_stream(writer) as sse:
+            async def send(batch: list[SSEEvent]) -> None:
+                await sse.write(b"".join(frame(_sse_data(payload), name) for name, payload in batch))
 
-        async with open_sse_stream(writer, self._keepalive_s, keepalive_frame=keepalive_frame) as sse:
-            async with aclosing(self.replies.streamed(reply, render, first_job)) as events:
-                async for name, payload in events:
-                    await sse.send(_sse_data(payload), name)
+            stream = ReplyStream(render, send, self._keepalive_s, send_idle=sse.comment)
+            async with aclosing(self.replies.streamed(reply, render, first_job)) as batches:
+                await stream.run(batches)
 
 
 def _sse_data(payload: str | dict) -> str:

@@ -3,7 +3,8 @@
 The chat template renders the request, its constraint is compiled and checked, the scheduler runs
 the job (`n` of them for Chat Completions), the output parser turns tokens into canonical events
 and the dialect's renderer turns those into its own events. The HTTP handlers (api.py) send the
-events as SSE or wait for the renderer's body; a WebSocket loop sends them as messages.
+events as SSE or wait for the renderer's body; a WebSocket loop sends them as messages. Both send
+through a ReplyStream (reply_stream.py), which puts the dialect's keep-alive between them.
 
 Every refusal that can come before anything is sent (a bad request, an invalid schema, a full
 queue) is an APIError from `prepare` or `submit`; after that, `streamed` ends with the dialect's
@@ -66,7 +67,9 @@ class Renderer(Protocol):
     def opening(self, index: int = 0) -> list[SSEEvent]: ...
     def events(self, event: OutputEvent, index: int = 0) -> list[SSEEvent]: ...
     def closing(self) -> list[SSEEvent]: ...
-    def keepalive(self) -> list[SSEEvent]: ...  # the dialect's harmless event while nothing else is sent
+    # The dialect's harmless event while nothing else is sent ([] where it has none, or none fits
+    # now: queued, or finished). Called only once every event rendered before it has been sent.
+    def keepalive(self) -> list[SSEEvent]: ...
     def failure(self, error: APIError) -> list[SSEEvent]: ...
     def body(self) -> dict: ...
 
@@ -149,36 +152,37 @@ class Replies:
         reply.grammar = await self._grammars.compiled(reply.constraint)
         return self._submit(reply)
 
-    async def streamed(self, reply: Reply, render: Renderer, first_job: Job) -> AsyncIterator[SSEEvent]:
-        """The dialect's events one by one, its closing ones included; a failure once the reply
-        has begun ends the events with the dialect's failure events rather than an exception."""
+    async def streamed(self, reply: Reply, render: Renderer, first_job: Job) -> AsyncIterator[list[SSEEvent]]:
+        """The dialect's events in batches, its closing ones included; a failure once the reply
+        has begun ends them with the dialect's failure events rather than an exception. A batch
+        is what one renderer call made (numbered as a whole where the dialect numbers events):
+        send it whole before asking for the next (ReplyStream does)."""
         try:
-            async with aclosing(self.events(reply, render, first_job)) as events:
-                async for event in events:
-                    yield event
+            async with aclosing(self.events(reply, render, first_job)) as batches:
+                async for batch in batches:
+                    yield batch
         except APIError as error:
-            for event in render.failure(error):
-                yield event
+            yield render.failure(error)
         else:
-            for event in render.closing():
-                yield event
+            if closing := render.closing():
+                yield closing
 
-    async def events(self, reply: Reply, render: Renderer, first_job: Job) -> AsyncIterator[SSEEvent]:
-        """The request's generations, one after another, as the dialect's events (without the
-        closing ones); a failure is an APIError. The renderer sees every event either way."""
+    async def events(self, reply: Reply, render: Renderer, first_job: Job) -> AsyncIterator[list[SSEEvent]]:
+        """The request's generations, one after another, as batches of the dialect's events
+        (without the closing ones); a failure is an APIError. The renderer sees every event either way."""
         try:
             for index in range(reply.request.n):
                 job = first_job if index == 0 else self._submit(reply)
                 with job:
                     await job.wait_started()
-                    for event in render.opening(index):
-                        yield event
+                    if opening := render.opening(index):
+                        yield opening
                     async with aclosing(self._generate(job, reply)) as outputs:
                         async for output in outputs:
                             if reply.first_output_ms is None and not isinstance(output, Finished):
                                 reply.first_output_ms = (trio.current_time() - reply.received_at) * 1000
-                            for event in render.events(output, index):
-                                yield event
+                            if batch := render.events(output, index):
+                                yield batch
                     reply.queue_ms += job.queue_ms
         except (ShuttingDown, EngineFailed) as exc:
             raise _as_api_error(exc) from None

@@ -31,6 +31,7 @@ from dflash.protocols.conversation import conversation_key
 from dflash.protocols.errors import APIError, openai_error_body
 from dflash.protocols.response_store import ResponseStore
 from dflash.reply import Replies
+from dflash.reply_stream import ReplyStream
 from dflash.responses_turn import begin_turn
 
 log = get_logger("dflash.http")
@@ -128,13 +129,9 @@ class ResponsesSocket:
                                       conversation=conversation)
         first_job = await self._replies.submit(reply)  # refusals come before anything is sent
         try:
-            stream = _TickingStream(self._send, render, self._keepalive_s)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(stream.keep_alive)
-                async with aclosing(self._replies.streamed(reply, render, first_job)) as events:
-                    async for event in events:
-                        await stream.send([event])
-                nursery.cancel_scope.cancel()
+            stream = ReplyStream(render, self._send, self._keepalive_s)
+            async with aclosing(self._replies.streamed(reply, render, first_job)) as batches:
+                await stream.run(batches)
         finally:
             first_job.cancel()
             request.log.update(reply.log_fields(with_text=self._log_text))
@@ -147,31 +144,6 @@ class ResponsesSocket:
 
     async def _send_error(self, error: APIError) -> None:
         await self._socket.send_text(_json({"type": "error", "status": error.status, **openai_error_body(error)}))
-
-
-class _TickingStream:
-    """Sends a response's events; while none went out for `keepalive_s` after the first, repeats
-    `response.in_progress`. A long prefill sends nothing else, and Codex ends a turn whose socket
-    stays silent for its idle timeout (pings do not count: its reader answers them itself)."""
-
-    def __init__(self, send, render: responses.ResponseRender, keepalive_s: float):
-        self._send = send
-        self._render = render
-        self._keepalive_s = keepalive_s
-        self._last_sent: float | None = None
-
-    async def send(self, events) -> None:
-        await self._send(events)
-        self._last_sent = trio.current_time()
-
-    async def keep_alive(self) -> None:
-        while True:
-            if self._last_sent is None:
-                await trio.sleep(self._keepalive_s)
-                continue
-            await trio.sleep_until(self._last_sent + self._keepalive_s)
-            if trio.current_time() >= self._last_sent + self._keepalive_s:
-                await self.send(self._render.in_progress())
 
 
 def _json(payload: dict) -> str:

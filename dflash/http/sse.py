@@ -1,4 +1,4 @@
-"""Server-sent events: framing and the `: keep-alive` ticker.
+"""Server-sent events: framing, the headers, the `: keep-alive` comment.
 
 Two framings: `data:` lines only (OpenAI Chat Completions) and `event:` + `data:` (Anthropic
 Messages, OpenAI Responses). Both come from `frame`.
@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
-
-import trio
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 SSE_HEADERS = (
@@ -35,43 +33,27 @@ def frame(data: str, event: str | None = None) -> bytes:
 
 
 class SSEStream:
-    """An event stream on a started response, with a keep-alive ticker beside it.
+    """An event stream on a started response. What it sends and when it keeps the connection
+    alive is the reply's business (reply_stream.ReplyStream); this only frames and writes."""
 
-    The ticker writes `: keep-alive` whenever nothing has gone out for `keepalive_s`: while the job
-    waits in the queue or sits inside a long prefill no events flow, and proxies and HTTP clients
-    drop a silent connection. It runs on the clock, not on engine progress, because a single
-    prefill chunk can outlast `keepalive_s` and progress callbacks would miss exactly that stall."""
-
-    def __init__(self, writer: BodyWriter, keepalive_s: float, keepalive_frame: Callable[[], bytes] | None = None):
+    def __init__(self, writer: BodyWriter):
         self._writer = writer
-        self._keepalive_s = keepalive_s
-        # The dialect's own keep-alive event where it has one (a client's idle timer may count
-        # only events, not comments); a comment otherwise.
-        self._keepalive_frame = keepalive_frame or (lambda: KEEPALIVE_COMMENT)
-        self._last_write = trio.current_time()
 
     async def send(self, data: str, event: str | None = None) -> None:
-        await self._write(frame(data, event))
+        await self._writer.write(frame(data, event))
 
-    async def _write(self, payload: bytes) -> None:
-        await self._writer.write(payload)
-        self._last_write = trio.current_time()
+    async def write(self, framed: bytes) -> None:
+        """Records already framed (several at once go out in one write)."""
+        await self._writer.write(framed)
 
-    async def keep_alive(self) -> None:
-        while True:
-            await trio.sleep_until(self._last_write + self._keepalive_s)
-            if trio.current_time() >= self._last_write + self._keepalive_s:
-                await self._write(self._keepalive_frame() or KEEPALIVE_COMMENT)
+    async def comment(self) -> None:
+        """`: keep-alive`, for a dialect that has no keep-alive event of its own."""
+        await self._writer.write(KEEPALIVE_COMMENT)
 
 
 @asynccontextmanager
-async def open_sse_stream(writer: BodyWriter, keepalive_s: float, headers: Sequence[tuple[str, str]] = (), *,
-                          keepalive_frame: Callable[[], bytes] | None = None) -> AsyncIterator[SSEStream]:
-    """Send the SSE headers now (before any token exists) and keep the stream alive until exit."""
+async def open_sse_stream(writer: BodyWriter, headers: Sequence[tuple[str, str]] = ()) -> AsyncIterator[SSEStream]:
+    """Send the SSE headers now (before any token exists) and end the body on exit."""
     await writer.start(200, [*SSE_HEADERS, *headers])
-    stream = SSEStream(writer, keepalive_s, keepalive_frame)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stream.keep_alive)
-        yield stream
-        nursery.cancel_scope.cancel()
+    yield SSEStream(writer)
     await writer.end()

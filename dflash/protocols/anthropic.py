@@ -268,8 +268,10 @@ class MessageRender:
         """`ping` while queued; once the message has started, an empty delta of the open text or
         thinking block (opening one if none is): Claude Code's stream watchdog counts content
         events only (its SDK drops pings), and aborts after 300 s without one, shorter than the
-        prefill of its own first request on a CPU."""
-        if not self._started or (self._open is not None and self._open.kind == "tool_use"):
+        prefill of its own first request on a CPU. After `message_delta` (finished) only a ping
+        fits: no content block may open then."""
+        in_tool_call = self._open is not None and self._open.kind == "tool_use"
+        if not self._started or self._finished is not None or in_tool_call:
             return [("ping", {"type": "ping"})]
         if self._open is None:
             return self.events(ReasoningDelta("") if self._thinking else TextDelta(""))

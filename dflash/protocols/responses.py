@@ -322,8 +322,9 @@ class ResponseRender:
         return [self._event("response.in_progress", response=self._snapshot())]
 
     def keepalive(self) -> list[SSEEvent]:
-        # Before `response.created` has gone out (a queued job) only a comment fits.
-        return self.in_progress() if self._sequence else []
+        # Before `response.created` has gone out (a queued job) only a comment fits, and once the
+        # response is completed (or failed) an `in_progress` would contradict it.
+        return self.in_progress() if self._sequence and self._status == "in_progress" else []
 
     def finish_without_output(self) -> list[SSEEvent]:
         """`generate: false` (a warm-up): completed with no output and no model run."""

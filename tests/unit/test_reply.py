@@ -1,5 +1,5 @@
 """The reply pipeline without HTTP, as a WebSocket loop runs it: a parsed Responses request in,
-the events the SSE stream carries out, one by one; failure events; a stored turn to continue."""
+the events the SSE stream carries out, batch by batch; failure events; a stored turn to continue."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ async def run_turn(replies: Replies, store: ResponseStore, body: dict) -> tuple[
     reply = replies.prepare(turn.request.generation, call_id=new_call_id)
     render = turn.renderer(replies.model.model_id)
     with await replies.submit(reply) as first_job:
-        async with aclosing(replies.streamed(reply, render, first_job)) as events:
-            payloads = [payload async for _, payload in events]
+        async with aclosing(replies.streamed(reply, render, first_job)) as batches:
+            payloads = [payload async for batch in batches for _, payload in batch]
     turn.store(store, render)
     return payloads, render.response_id
 
@@ -60,8 +60,8 @@ async def test_leaving_the_iteration_early_cancels_the_job(make_scheduler):  # n
     reply = replies.prepare(turn.request.generation, call_id=new_call_id)
     render = turn.renderer("fake-model")
     with await replies.submit(reply) as first_job:
-        async with aclosing(replies.streamed(reply, render, first_job)) as events:
-            async for _, event in events:
-                if event["type"] == "response.output_text.delta":
+        async with aclosing(replies.streamed(reply, render, first_job)) as batches:
+            async for batch in batches:
+                if any(event["type"] == "response.output_text.delta" for _, event in batch):
                     break
     assert first_job.cancelled

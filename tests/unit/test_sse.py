@@ -1,10 +1,10 @@
-"""SSE framing and the keep-alive ticker, on trio's autojump clock (no engine, no sockets)."""
+"""SSE framing and headers (no engine, no sockets); the keep-alive is test_reply_stream.py's."""
 
 from __future__ import annotations
 
 import trio
 
-from dflash.http.sse import KEEPALIVE_COMMENT, frame, open_sse_stream
+from dflash.http.sse import frame, open_sse_stream
 
 
 class RecordingWriter:
@@ -32,23 +32,9 @@ def test_frames():
 
 async def test_headers_go_out_before_any_event(autojump_clock):
     writer = RecordingWriter()
-    async with open_sse_stream(writer, keepalive_s=15):
+    async with open_sse_stream(writer):
         assert writer.status == 200
         assert writer.headers["content-type"].startswith("text/event-stream")
         assert writer.headers["cache-control"] == "no-cache"
         assert writer.writes == []
     assert writer.ended
-
-
-async def test_keep_alive_only_while_nothing_is_written(autojump_clock):
-    writer = RecordingWriter()
-    start = trio.current_time()
-    async with open_sse_stream(writer, keepalive_s=15) as sse:
-        await trio.sleep(40)  # silent (queued, or one long prefill chunk): comments at 15 and 30
-        await sse.send("token")  # at 40
-        for _ in range(5):  # events every 10 s: no comment needed
-            await trio.sleep(10)
-            await sse.send("token")
-        await trio.sleep(20)  # silent again: one comment, 15 s after the last event
-    comments = [round(at - start) for at, data in writer.writes if data == KEEPALIVE_COMMENT]
-    assert comments == [15, 30, 105]
