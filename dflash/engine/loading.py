@@ -37,6 +37,7 @@ from dflash.engine.model import (
     attention_kernels,
     attention_rows_invariant,
     build_transformer,
+    half_linear_rows_invariant,
     with_rope_scaling,
 )
 from dflash.engine.native import extension as native_extension
@@ -142,11 +143,10 @@ def load_model(
         if max_ctx > model.args.max_position_embeddings:
             log.warning("context_past_trained_length", max_ctx=max_ctx, trained_context=model.args.max_position_embeddings,
                         note="the transformers backend applies only the RoPE scaling the model's config declares")
-    if backend == "native" and speculation.drafter != "none" and not attention_rows_invariant(model.dtype):
+    if backend == "native" and speculation.drafter != "none" and (reason := _rows_vary(model, weights)):
         # Speculation promises the output of plain decoding; a verified row could differ from the
-        # decoded one in the last bits here (an AVX2 CPU without the native extension's attention).
-        log.warning("speculation_off", cpu=cpu_kind(), attention=attention_kernels(),
-                    reason="torch's attention is not row-invariant on this CPU; run `make install` to build ours")
+        # decoded one in the last bits here.
+        log.warning("speculation_off", cpu=cpu_kind(), attention=attention_kernels(), weights=weights, reason=reason)
         speculation = attrs.evolve(speculation, drafter="none")
     drafter = None
     draft_model = resolve_draft_model(draft_model, source)
@@ -466,6 +466,16 @@ def _load_tokenizer(folder: Path):
         return AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {str(folder)!r}: {exc}") from exc
+
+
+def _rows_vary(model, weights: str) -> str | None:
+    """Why a verified row could differ from the decoded one on this CPU, or None where it cannot."""
+    if not attention_rows_invariant(model.dtype):
+        return "torch's attention is not row-invariant on this CPU; run `make install` to build ours"
+    if weights == "bf16" and not half_linear_rows_invariant():
+        return ("torch's bf16 matmuls are not row-invariant on this CPU (AVX512-BF16 without AMX); "
+                "int8 and int4 weights are, on our kernels")
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

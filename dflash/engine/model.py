@@ -137,16 +137,22 @@ def kv_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def torch_attention_rows_invariant() -> bool:
+    """Whether torch's flash attention kernel over a half-precision cache computes a row the same
+    way whatever the other rows of its call. Measured so on AMX CPUs; not on AVX512-BF16 without AMX
+    (AMD Zen 4: a row of 8 differs from the same row alone at 288 and 1024 keys) nor on AVX2."""
+    return cpu_kind() == "AMX"
+
+
 def attention_kernels() -> str:
     """Which causal attention the CPU runs: "ours" (native/causal_attention.cpp) or "torch" (its
-    flash kernel, over key counts padded to KEY_BUCKET). torch's computes a row the same way
-    whatever the other rows of the call only with bf16 hardware and a bf16 cache; on AVX2-only
-    CPUs it does not (fp32 or bf16), and ours, row-invariant by construction, runs instead.
-    `DFLASH_ATTENTION=ours|torch` forces one (tests and benches run both)."""
+    flash kernel, over key counts padded to KEY_BUCKET). torch's runs where it is row-invariant
+    (torch_attention_rows_invariant: AMX); elsewhere ours, row-invariant by construction, runs
+    instead. `DFLASH_ATTENTION=ours|torch` forces one (tests and benches run both)."""
     forced = os.environ.get("DFLASH_ATTENTION")
     native = native_kernels()
     available = native is not None and native.causal_attention_available()
-    if forced == "torch" or (forced != "ours" and has_bf16_hardware()) or not available:
+    if forced == "torch" or (forced != "ours" and torch_attention_rows_invariant()) or not available:
         return "torch"
     return "ours"
 
@@ -154,8 +160,18 @@ def attention_kernels() -> str:
 def attention_rows_invariant(dtype: torch.dtype) -> bool:
     """Whether a row's attention is computed the same way whatever the other rows of its call (what
     lossless speculation needs) for a model in `dtype` on this CPU: always with our kernel, with
-    torch's only on bf16 hardware and a half-precision cache."""
-    return attention_kernels() == "ours" or (has_bf16_hardware() and dtype in (torch.bfloat16, torch.float16))
+    torch's only where it is (AMX) and over a half-precision cache."""
+    return attention_kernels() == "ours" or (torch_attention_rows_invariant()
+                                             and dtype in (torch.bfloat16, torch.float16))
+
+
+def half_linear_rows_invariant() -> bool:
+    """Whether a half-precision Linear (below) of up to FEW_ROWS rows computes a row the same way
+    whatever the other rows of its call. With AMX oneDNN's kernels do (measured); without bf16
+    hardware the GEMM runs one GEMV per row. On AVX512-BF16 without AMX (AMD Zen 4) they do not:
+    oneDNN splits a 1536-input matmul differently above 7 rows on 1 thread (13 on 2), so there
+    bf16 weights cannot verify a draft losslessly (int8 and int4, on our kernels, can)."""
+    return cpu_kind() == "AMX" or not has_bf16_hardware()
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
@@ -213,9 +229,10 @@ def _yarn_inverse_frequencies(
 # Row invariance: the result for a row must not depend on the other rows of its call. Then a verified
 # draft row gets exactly the logits plain decoding gives (greedy speculation reproduces plain greedy
 # decoding token for token), and prefill rows equal decode rows whatever the chunking (a prompt
-# restored from a prefix cache and continued equals one computed from scratch). The half-precision
-# CPU kernel computes a row the same way in any call of up to FEW_ROWS rows (measured); above that
-# oneDNN switches to AMX kernels whose rows depend on the row count (17, 20, 32, 100... measured).
+# restored from a prefix cache and continued equals one computed from scratch). On AMX CPUs the
+# half-precision kernel computes a row the same way in any call of up to FEW_ROWS rows (measured);
+# above that oneDNN switches to AMX kernels whose rows depend on the row count (17, 20, 32, 100...
+# measured). Other CPUs: half_linear_rows_invariant.
 FEW_ROWS = 16
 
 
@@ -227,6 +244,9 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
         if rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, self.weight, self.bias)
+        if has_bf16_hardware() and not half_linear_rows_invariant():
+            # No row count is invariant here anyway: one call (on Zen 4 ~1.5x faster than blocks).
             return F.linear(x, self.weight, self.bias)
         if has_bf16_hardware():
             # Prefill in blocks of FEW_ROWS rows: row-invariant, and on AMX still 1.5-2x faster than

@@ -44,17 +44,21 @@ def test_hf_folder_loads_and_generates_like_transformers(tmp_path):
     assert loaded.engine.start(prompt, SamplingParams(), 6).run() == reference
 
 
-@pytest.mark.parametrize("attention, bf16_hardware, speculates", [
-    ("ours", False, True), ("torch", True, True), ("torch", False, False)])
-def test_speculation_runs_only_where_attention_rows_are_invariant(tmp_path, monkeypatch, attention, bf16_hardware, speculates):
-    """Without bf16 hardware torch's attention computes a verified row unlike a decoded one, so a
-    server left without our kernel there (no compiler) decodes plainly instead of speculating."""
+@pytest.mark.parametrize("attention, cpu, weights, speculates", [
+    ("ours", "AVX2", "bf16", True), ("torch", "AMX", "bf16", True), ("torch", "AVX2", "bf16", False),
+    ("torch", "AVX512-BF16", "bf16", False), ("ours", "AVX512-BF16", "bf16", False),
+    ("ours", "AVX512-BF16", "int8", True), ("ours", "AVX512-BF16", "int4", True)])
+def test_speculation_runs_only_where_verified_rows_equal_decoded_ones(tmp_path, monkeypatch, attention, cpu,
+                                                                      weights, speculates):
+    """Where torch's attention (AVX2, AVX512-BF16 without AMX) or torch's bf16 matmuls (AVX512-BF16
+    without AMX) compute a verified row unlike a decoded one, a server decodes plainly instead of
+    speculating: left without our attention kernel (no compiler), or serving bf16 weights on Zen 4."""
     import dflash.engine.model as model_module
 
     write_hf_folder(tmp_path / "tiny")
-    monkeypatch.setattr(model_module, "has_bf16_hardware", lambda: bf16_hardware)
+    monkeypatch.setattr(model_module, "cpu_kind", lambda: cpu)
     monkeypatch.setattr(model_module, "attention_kernels", lambda: attention)
-    loaded = load_model(str(tmp_path / "tiny"), dtype="bfloat16", max_ctx=64, speculation=SpeculationConfig(drafter="ngram"))
+    loaded = load_model(str(tmp_path / "tiny"), weights=weights, max_ctx=64, speculation=SpeculationConfig(drafter="ngram"))
     assert (loaded.engine.speculation.drafter == "ngram") == speculates
 
 

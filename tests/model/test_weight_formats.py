@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash.engine.generate import Engine
-from dflash.engine.model import has_bf16_hardware
+from dflash.engine.model import half_linear_rows_invariant, has_bf16_hardware, torch_attention_rows_invariant
 from dflash.engine.native import extension
 from dflash.engine.quant import Int4Linear, Int8Linear, auto_weights, kernels, quantize_linears
 from dflash.engine.sampling import SamplingParams
@@ -22,10 +22,10 @@ KINDS = {"int8": Int8Linear, "int4": Int4Linear}
 
 @pytest.fixture(autouse=True, params=["ours", "torch"])
 def attention_kernel_set(request, monkeypatch):
-    """The attention kernels we ship (model.attention_kernels): torch's flash kernel only where the
-    CPU has bf16 hardware (elsewhere it is not row-invariant and is never chosen), ours everywhere."""
-    if request.param == "torch" and not has_bf16_hardware():
-        pytest.skip("torch's attention is not row-invariant without bf16 hardware: ours runs there")
+    """The attention kernels we ship (model.attention_kernels): torch's flash kernel only where it
+    is row-invariant (AMX; elsewhere it is never chosen), ours everywhere."""
+    if request.param == "torch" and not torch_attention_rows_invariant():
+        pytest.skip("torch's attention is not row-invariant on this CPU: ours runs there")
     if request.param == "ours" and (extension() is None or not extension().causal_attention_available()):
         pytest.skip("our attention needs the native extension and AVX2")
     monkeypatch.setenv("DFLASH_ATTENTION", request.param)
@@ -110,6 +110,9 @@ def test_ngram_greedy_equals_plain_greedy_on_quantized_weights(quantized, prompt
 def test_verified_rows_get_the_logits_of_decode_steps_bit_for_bit(weights):
     """At starts on both sides of the attention's key buckets (model.KEY_BUCKET), a forward over 8
     rows gives each row exactly the logits a 1-row decode step at that position gives."""
+    if weights == "bf16" and not half_linear_rows_invariant():
+        pytest.skip("torch's bf16 matmuls are not row-invariant on this CPU (AVX512-BF16 without AMX): "
+                    "a server there does not speculate on bf16 weights (test_loading.py)")
     model = ours_from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
     quantize_linears(model, weights)
     torch.manual_seed(5)
@@ -133,6 +136,9 @@ def test_prefill_rows_equal_decode_rows_whatever_the_chunking(weights):
     if weights == "bf16" and not has_bf16_hardware():
         pytest.skip("without bf16 hardware bf16 linears prefill in fp32 (model.Linear: 5x faster than "
                     "bf16 there), so prefilled rows are close to decoded ones, not equal; int8/int4 are exact")
+    if weights == "bf16" and not half_linear_rows_invariant():
+        pytest.skip("torch's bf16 matmuls are not row-invariant on this CPU (AVX512-BF16 without AMX): "
+                    "prefilled rows are close to decoded ones, not equal; int8/int4 are exact")
     model = ours_from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
     quantize_linears(model, weights)
     torch.manual_seed(7)
