@@ -141,6 +141,25 @@ VNNI_TARGET inline __m512i quad(const int8_t* q) {  // 4 int8 broadcast to every
 
 // ----- VNNI: one block of 16 channels over rows [m0, m0 + Rows), weights kept in registers -----
 
+// One row's int32 sums over a group of 32 inputs for 16 channels. With one or two rows a pass
+// has too few independent vpdpbusd chains to hide the instruction's latency, so the group runs
+// as two chains added at the end: integer sums, so the same bits whatever the order.
+template <int Rows>
+VNNI_TARGET inline __m512i group_dot(const __m512i* w, const int8_t* q) {
+  if constexpr (Rows <= 2) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int t = 0; t < 8; t += 2) {
+      even = _mm512_dpbusd_epi32(even, w[t], quad(q + 4 * t));
+      odd = _mm512_dpbusd_epi32(odd, w[t + 1], quad(q + 4 * t + 4));
+    }
+    return _mm512_add_epi32(even, odd);
+  } else {
+    __m512i dot = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
+    return dot;
+  }
+}
+
 template <int Rows>
 VNNI_TARGET void int4_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const at::BFloat16* scales,
                            at::BFloat16* y, int64_t N, int64_t block) {
@@ -158,10 +177,7 @@ VNNI_TARGET void int4_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
     __m512 scale, offset;
     int4_group_scales(scales + tile * 32, scale, offset);
     for (int r = 0; r < Rows; ++r) {
-      const int8_t* q = x.row(m0 + r, g);
-      __m512i dot = _mm512_setzero_si512();
-      for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
-      totals[r] = int4_group(totals[r], dot, scale, offset, x, m0 + r, g);
+      totals[r] = int4_group(totals[r], group_dot<Rows>(w, x.row(m0 + r, g)), scale, offset, x, m0 + r, g);
     }
   }
   for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, totals[r]);
@@ -176,23 +192,20 @@ VNNI_TARGET void int8_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
     const uint8_t* packed = codes + (block * x.groups + g) * 512;
     __m512i w[8];
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(packed + 64 * t);
-    for (int r = 0; r < Rows; ++r) {
-      const int8_t* q = x.row(m0 + r, g);
-      __m512i dot = _mm512_setzero_si512();
-      for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
-      totals[r] = int8_group(totals[r], dot, x, m0 + r, g);
-    }
+    for (int r = 0; r < Rows; ++r) totals[r] = int8_group(totals[r], group_dot<Rows>(w, x.row(m0 + r, g)), x, m0 + r, g);
   }
   const __m512 scale = _mm512_loadu_ps(scales + block * kChannels);
   for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, _mm512_mul_ps(totals[r], scale));
 }
 
-// Rows in passes of up to 4 (a group's weights are loaded once per pass).
-template <typename Kernel>
+// Rows in passes of up to MaxRows (a group's weights are loaded, and int4 ones unpacked, once per
+// pass): 8 on AVX512 (32 registers hold 8 rows' totals beside the weights), 4 on AVX2 (16).
+template <int MaxRows, typename Kernel>
 void row_passes(int64_t M, Kernel kernel) {
   for (int64_t m0 = 0; m0 < M;) {
     const int64_t left = M - m0;
-    if (left >= 4) { kernel(std::integral_constant<int, 4>{}, m0); m0 += 4; }
+    if (MaxRows >= 8 && left >= 8) { kernel(std::integral_constant<int, MaxRows >= 8 ? 8 : 4>{}, m0); m0 += 8; }
+    else if (left >= 4) { kernel(std::integral_constant<int, 4>{}, m0); m0 += 4; }
     else if (left >= 2) { kernel(std::integral_constant<int, 2>{}, m0); m0 += 2; }
     else { kernel(std::integral_constant<int, 1>{}, m0); m0 += 1; }
   }
@@ -544,27 +557,27 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const 
   }
   step_pool::parallel_for(N / kChannels, 8, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      if (int4) {
-        const auto* group_scales = scales.data_ptr<at::BFloat16>();
-        row_passes(M, [&](auto rows_per_pass, int64_t m0) {
+      if (int4 && isa == Isa::kVnni) {
+        row_passes<8>(M, [&](auto rows_per_pass, int64_t m0) {
+          int4_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, scales.data_ptr<at::BFloat16>(), out, N, block);
+        });
+      } else if (int4) {
+        row_passes<4>(M, [&](auto rows_per_pass, int64_t m0) {
           constexpr int kRows = decltype(rows_per_pass)::value;
-          if (isa == Isa::kVnni) {
-            int4_vnni<kRows>(rows, m0, packed, group_scales, out, N, block);
-          } else {
-            for (int half = 0; half < 2; ++half) int4_avx2<kRows>(rows, m0, packed, group_scales, out, N, block, half);
-          }
+          const auto* group_scales = scales.data_ptr<at::BFloat16>();
+          for (int half = 0; half < 2; ++half) int4_avx2<kRows>(rows, m0, packed, group_scales, out, N, block, half);
+        });
+      } else if (isa == Isa::kVnni) {
+        row_passes<8>(M, [&](auto rows_per_pass, int64_t m0) {
+          int8_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, scales.data_ptr<float>(), out, N, block);
         });
       } else {
-        const auto* channel_scales = scales.data_ptr<float>();
-        row_passes(M, [&](auto rows_per_pass, int64_t m0) {
+        row_passes<4>(M, [&](auto rows_per_pass, int64_t m0) {
           constexpr int kRows = decltype(rows_per_pass)::value;
-          if (isa == Isa::kVnni) {
-            int8_vnni<kRows>(rows, m0, packed, channel_scales, out, N, block);
-          } else {
-            for (int half = 0; half < 2; ++half) {  // measured: the sign trick is faster for 1-2 rows
-              if constexpr (kRows < 4) int8_avx2_sign<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
-              else int8_avx2<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
-            }
+          const auto* channel_scales = scales.data_ptr<float>();
+          for (int half = 0; half < 2; ++half) {  // measured: the sign trick is faster for 1-2 rows
+            if constexpr (kRows < 4) int8_avx2_sign<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
+            else int8_avx2<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
           }
         });
       }
