@@ -188,8 +188,14 @@ def ours(source, weights, threads, decode_ids, prefill_ids, tokens, repeats, ngr
     from dflash.engine.sampling import SamplingParams
     from dflash.engine.speculative import SpeculationConfig
 
-    loaded = load_model(source, weights=weights, max_ctx=len(prefill_ids) + tokens + 512, threads=threads)
+    ngram_config = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
+    # Loaded as a server would be, so that where it would not speculate (speculation_off: rows not
+    # invariant on this CPU for these weights) the bench does not either.
+    loaded = load_model(source, weights=weights, max_ctx=len(prefill_ids) + tokens + 512, threads=threads,
+                        speculation=ngram_config if ngram else SpeculationConfig())
     engine = loaded.engine
+    speculates = engine.speculation.drafter != "none"
+    engine.speculation = SpeculationConfig()
     engine.eos_token_ids = frozenset()  # decode exactly `tokens` tokens
 
     def run(ids, max_tokens):
@@ -213,10 +219,10 @@ def ours(source, weights, threads, decode_ids, prefill_ids, tokens, repeats, ngr
 
     plain, plain_output, _ = decode()
     spec = (None, None, [])
-    if ngram:
-        engine.speculation = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
+    if ngram and speculates:
+        engine.speculation = ngram_config
         spec = decode()
-    return prefill, plain, plain_output, spec[0], spec[2], spec[1]
+    return prefill, plain, plain_output, spec[0], spec[2], spec[1], ngram and not speculates
 
 
 def transformers_speed(folder, decode_ids, prefill_ids, tokens, repeats):
@@ -300,10 +306,13 @@ def main() -> None:
     rows, outputs = [], {}
     for threads in thread_counts:
         for weights in filter(None, args.weights.split(",")):
-            prefill, plain, plain_out, spec, tau, spec_out = ours(
+            prefill, plain, plain_out, spec, tau, spec_out, spec_off = ours(
                 args.model, weights, threads, decode_ids, prefill_ids, args.tokens, args.repeats, not args.no_ngram)
             outputs[(threads, weights)] = plain_out
-            ngram = "—" if spec is None else f"{spec:.1f} tok/s (τ {tau:.2f}{'' if spec_out == plain_out else ', output differs!'})"
+            if spec_off:
+                ngram = "— (speculation_off here: rows not invariant)"
+            else:
+                ngram = "—" if spec is None else f"{spec:.1f} tok/s (τ {tau:.2f}{'' if spec_out == plain_out else ', output differs!'})"
             rows.append((threads, "ours", weights, prefill, plain, ngram))
         if not args.no_transformers:
             folder = resolve_source(args.model, DEFAULT_CACHE_DIR)[1]
