@@ -47,14 +47,28 @@ def test_capital_of_france_is_paris(loaded):
     assert "Paris" in loaded.tokenizer.decode(ours_greedy(loaded, prompt_ids, 32))
 
 
-def test_bf16_greedy_matches_transformers_bf16():
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_bf16_decode_agrees_with_transformers_bf16_up_to_ties(prompt):
+    """Along transformers' bf16 greedy reply, fed to our bf16 decoder a token per call (decode
+    steps, after one prefill), our top token is transformers' wherever the two are not tied within
+    bf16's rounding. Exact equality of whole greedy replies is not asked: these prompts have exact
+    bf16 ties ("What is the capital of France?": "The" and "Paris" both 25.375 with our attention
+    on Zen 4), which each kernel's rounding breaks its own way."""
     bf16 = load_model(dtype="bfloat16", max_ctx=1024)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(bf16.folder, dtype=torch.bfloat16).eval()
-    prompt_ids = render_prompt(bf16.tokenizer, [{"role": "user", "content": PROMPTS[0]}])
+    prompt_ids = render_prompt(bf16.tokenizer, [{"role": "user", "content": prompt}])
     with torch.no_grad():
-        reference = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
-                                eos_token_id=sorted(bf16.engine.eos_token_ids), pad_token_id=0)
-    reference = [t for t in reference[0, len(prompt_ids):].tolist() if t not in bf16.engine.eos_token_ids]
-    assert ours_greedy(bf16, prompt_ids, 32) == reference
+        reply = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)[0, len(prompt_ids):].tolist()
+    model = bf16.engine.model
+    kv = model.new_kv_cache(1024)
+    logits, _ = model(torch.tensor(prompt_ids), 0, kv)
+    steps = [logits[-1].float()]
+    for position, token in enumerate(reply[:-1], start=len(prompt_ids)):
+        logits, _ = model(torch.tensor([token]), position, kv)
+        steps.append(logits[-1].float())
+    for step, (ours, wanted) in enumerate(zip(steps, reply)):
+        top = int(ours.argmax())
+        assert top == wanted or ours[top] - ours[wanted] <= 0.01 * ours[top].abs(), (step, top, wanted)
