@@ -139,6 +139,11 @@ VNNI_TARGET inline __m512i quad(const int8_t* q) {  // 4 int8 broadcast to every
   return _mm512_set1_epi32(bits);
 }
 
+// gcc -O2 keeps short loops over rows as loops, with the accumulators (and the VNNI kernels' unpacked
+// weights) in memory: unroll them. Measured on Zen 4 before the VNNI loops were: each group's 8
+// weight vectors went through the stack, and 8 rows ran one dependent vpdpbusd after another.
+#define UNROLLED _Pragma("GCC unroll 8")
+
 // ----- VNNI: one block of 16 channels over rows [m0, m0 + Rows), weights kept in registers -----
 
 // One row's int32 sums over a group of 32 inputs for 16 channels. With one or two rows a pass
@@ -148,14 +153,14 @@ template <int Rows>
 VNNI_TARGET inline __m512i group_dot(const __m512i* w, const int8_t* q) {
   if constexpr (Rows <= 2) {
     __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-    for (int t = 0; t < 8; t += 2) {
+    UNROLLED for (int t = 0; t < 8; t += 2) {
       even = _mm512_dpbusd_epi32(even, w[t], quad(q + 4 * t));
       odd = _mm512_dpbusd_epi32(odd, w[t + 1], quad(q + 4 * t + 4));
     }
     return _mm512_add_epi32(even, odd);
   } else {
     __m512i dot = _mm512_setzero_si512();
-    for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
+    UNROLLED for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
     return dot;
   }
 }
@@ -165,37 +170,37 @@ VNNI_TARGET void int4_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
                            at::BFloat16* y, int64_t N, int64_t block) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 totals[Rows];
-  for (int r = 0; r < Rows; ++r) totals[r] = _mm512_setzero_ps();
+  UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int64_t tile = block * x.groups + g;
     __m512i w[8];
-    for (int c = 0; c < 4; ++c) {
+    UNROLLED for (int c = 0; c < 4; ++c) {
       __m512i bytes = _mm512_loadu_si512(codes + tile * 256 + 64 * c);
       w[2 * c] = _mm512_and_si512(bytes, nibble);
       w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
     }
     __m512 scale, offset;
     int4_group_scales(scales + tile * 32, scale, offset);
-    for (int r = 0; r < Rows; ++r) {
+    UNROLLED for (int r = 0; r < Rows; ++r) {
       totals[r] = int4_group(totals[r], group_dot<Rows>(w, x.row(m0 + r, g)), scale, offset, x, m0 + r, g);
     }
   }
-  for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, totals[r]);
+  UNROLLED for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, totals[r]);
 }
 
 template <int Rows>
 VNNI_TARGET void int8_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* codes, const float* scales,
                            at::BFloat16* y, int64_t N, int64_t block) {
   __m512 totals[Rows];
-  for (int r = 0; r < Rows; ++r) totals[r] = _mm512_setzero_ps();
+  UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const uint8_t* packed = codes + (block * x.groups + g) * 512;
     __m512i w[8];
-    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(packed + 64 * t);
-    for (int r = 0; r < Rows; ++r) totals[r] = int8_group(totals[r], group_dot<Rows>(w, x.row(m0 + r, g)), x, m0 + r, g);
+    UNROLLED for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(packed + 64 * t);
+    UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = int8_group(totals[r], group_dot<Rows>(w, x.row(m0 + r, g)), x, m0 + r, g);
   }
   const __m512 scale = _mm512_loadu_ps(scales + block * kChannels);
-  for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, _mm512_mul_ps(totals[r], scale));
+  UNROLLED for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, _mm512_mul_ps(totals[r], scale));
 }
 
 // Rows in passes of up to MaxRows (a group's weights are loaded, and int4 ones unpacked, once per
@@ -218,9 +223,6 @@ void row_passes(int64_t M, Kernel kernel) {
 // sums come from vpmaddubsw (u8 codes x s8 activations, pairs summed into int16) and vpmaddwd.
 // Codes are split into nibbles 0..15, so a pair is at most 2 * 15 * 128 = 3840 in magnitude and
 // 8 of them (one group) still fit an int16 exactly: no saturation anywhere, the sums are exact.
-
-// gcc -O2 keeps short loops over rows as loops, with the accumulators in memory: unroll them.
-#define UNROLLED _Pragma("GCC unroll 8")
 
 AVX2_TARGET inline __m256 bf16_to_fp32_avx2(const void* eight_bf16) {
   auto wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(eight_bf16)));
