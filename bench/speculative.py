@@ -82,7 +82,13 @@ def main() -> None:
                         help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
                              "tool prompt, from dflash/training/unseen.py)")
     args = parser.parse_args()
-    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
+    # Loaded as a server would be: where it would not speculate (speculation_off: a verified row
+    # could differ from a decoded one on this CPU with these weights) there is nothing to measure.
+    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads,
+                        speculation=SpeculationConfig(drafter="ngram"))
+    if loaded.engine.speculation.drafter == "none":
+        raise SystemExit(f"a server with weights {loaded.weights!r} on this CPU ({cpu_kind()}) does not speculate "
+                         "(see the speculation_off log line); try --weights int4 or int8")
     args.dtype = loaded.dtype
     engine = loaded.engine
     target = engine.model
