@@ -29,11 +29,11 @@ from dflash.http.sse import frame, open_sse_stream
 from dflash.http.websocket import HandshakeRefused, accept_websocket
 from dflash.metrics import Metrics
 from dflash.protocols import anthropic, openai_chat, responses
+from dflash.protocols.canonical import SSEEvent
 from dflash.protocols.conversation import conversation_key
 from dflash.protocols.errors import APIError, anthropic_error_body, openai_error_body
 from dflash.protocols.openai_chat import CompletionHeader
 from dflash.protocols.response_store import ResponseStore
-from dflash.protocols.canonical import SSEEvent
 from dflash.reply import ModelText, Renderer, Replies, Reply
 from dflash.reply_stream import ReplyStream
 from dflash.responses_socket import ResponsesSocket

@@ -39,11 +39,8 @@ class SSEStream:
     def __init__(self, writer: BodyWriter):
         self._writer = writer
 
-    async def send(self, data: str, event: str | None = None) -> None:
-        await self._writer.write(frame(data, event))
-
     async def write(self, framed: bytes) -> None:
-        """Records already framed (several at once go out in one write)."""
+        """Records framed by `frame` (several at once go out in one write)."""
         await self._writer.write(framed)
 
     async def comment(self) -> None:
