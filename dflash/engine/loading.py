@@ -472,8 +472,11 @@ def _rows_vary(model, weights: str) -> str | None:
     """Why a verified row could differ from the decoded one on this CPU, or None where it cannot."""
     if not attention_rows_invariant(model.dtype):
         return "torch's attention is not row-invariant on this CPU; run `make install` to build ours"
-    if weights == "bf16" and not half_linear_rows_invariant():
-        return ("torch's bf16 matmuls are not row-invariant on this CPU (AVX512-BF16 without AMX); "
+    # Every linear of an int8/int4 model is ours (quantize_linears); any other half-precision
+    # model (bf16, or fp16 by `dtype`) runs torch's half-precision matmuls.
+    half = weights not in ("int8", "int4") and model.dtype in (torch.bfloat16, torch.float16)
+    if half and not half_linear_rows_invariant():
+        return ("torch's half-precision matmuls are not row-invariant on this CPU (AVX512-BF16 without AMX); "
                 "int8 and int4 weights are, on our kernels")
     return None
 

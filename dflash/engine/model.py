@@ -140,7 +140,8 @@ def kv_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def torch_attention_rows_invariant() -> bool:
     """Whether torch's flash attention kernel over a half-precision cache computes a row the same
     way whatever the other rows of its call. Measured so on AMX CPUs; not on AVX512-BF16 without AMX
-    (AMD Zen 4: a row of 8 differs from the same row alone at 288 and 1024 keys) nor on AVX2."""
+    (AMD Zen 4: a row of 8 differs from the same row alone at 288 or 1024 keys) nor on AVX2;
+    bench/row_invariance.py checks a CPU."""
     return cpu_kind() == "AMX"
 
 
@@ -169,8 +170,9 @@ def half_linear_rows_invariant() -> bool:
     """Whether a half-precision Linear (below) of up to FEW_ROWS rows computes a row the same way
     whatever the other rows of its call. With AMX oneDNN's kernels do (measured); without bf16
     hardware the GEMM runs one GEMV per row. On AVX512-BF16 without AMX (AMD Zen 4) they do not:
-    oneDNN splits a 1536-input matmul differently above 7 rows on 1 thread (13 on 2), so there
-    bf16 weights cannot verify a draft losslessly (int8 and int4, on our kernels, can)."""
+    a 1536-input matmul differs from 1-row calls from 3-8 rows on, depending on the data and the
+    thread count (bench/row_invariance.py), so there bf16 weights cannot verify a draft losslessly
+    (int8 and int4, on our kernels, can)."""
     return cpu_kind() == "AMX" or not has_bf16_hardware()
 
 
@@ -246,7 +248,8 @@ class Linear(nn.Linear):
         if rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
             return F.linear(x, self.weight, self.bias)
         if has_bf16_hardware() and not half_linear_rows_invariant():
-            # No row count is invariant here anyway: one call (on Zen 4 ~1.5x faster than blocks).
+            # No row count is invariant here anyway: one call (on Zen 4 1.4-3.5x faster than 16-row
+            # blocks, bench/row_invariance.py).
             return F.linear(x, self.weight, self.bias)
         if has_bf16_hardware():
             # Prefill in blocks of FEW_ROWS rows: row-invariant, and on AMX still 1.5-2x faster than

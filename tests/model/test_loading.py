@@ -47,6 +47,7 @@ def test_hf_folder_loads_and_generates_like_transformers(tmp_path):
 @pytest.mark.parametrize("attention, cpu, weights, speculates", [
     ("ours", "AVX2", "bf16", True), ("torch", "AMX", "bf16", True), ("torch", "AVX2", "bf16", False),
     ("torch", "AVX512-BF16", "bf16", False), ("ours", "AVX512-BF16", "bf16", False),
+    ("ours", "AVX512-BF16", "float16", False), ("ours", "AVX512-BF16", "float32", True),
     ("ours", "AVX512-BF16", "int8", True), ("ours", "AVX512-BF16", "int4", True)])
 def test_speculation_runs_only_where_verified_rows_equal_decoded_ones(tmp_path, monkeypatch, attention, cpu,
                                                                       weights, speculates):
@@ -58,7 +59,9 @@ def test_speculation_runs_only_where_verified_rows_equal_decoded_ones(tmp_path, 
     write_hf_folder(tmp_path / "tiny")
     monkeypatch.setattr(model_module, "cpu_kind", lambda: cpu)
     monkeypatch.setattr(model_module, "attention_kernels", lambda: attention)
-    loaded = load_model(str(tmp_path / "tiny"), weights=weights, max_ctx=64, speculation=SpeculationConfig(drafter="ngram"))
+    # float16 and float32 by `dtype` (no weight format names fp16); the rest by `weights`.
+    how = {"dtype": weights} if weights.startswith("float") else {"weights": weights}
+    loaded = load_model(str(tmp_path / "tiny"), max_ctx=64, speculation=SpeculationConfig(drafter="ngram"), **how)
     assert (loaded.engine.speculation.drafter == "ngram") == speculates
 
 
