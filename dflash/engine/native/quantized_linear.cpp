@@ -209,8 +209,10 @@ template <int MaxRows, typename Kernel>
 void row_passes(int64_t M, Kernel kernel) {
   for (int64_t m0 = 0; m0 < M;) {
     const int64_t left = M - m0;
-    if (MaxRows >= 8 && left >= 8) { kernel(std::integral_constant<int, MaxRows >= 8 ? 8 : 4>{}, m0); m0 += 8; }
-    else if (left >= 4) { kernel(std::integral_constant<int, 4>{}, m0); m0 += 4; }
+    if constexpr (MaxRows >= 8) {
+      if (left >= 8) { kernel(std::integral_constant<int, 8>{}, m0); m0 += 8; continue; }
+    }
+    if (left >= 4) { kernel(std::integral_constant<int, 4>{}, m0); m0 += 4; }
     else if (left >= 2) { kernel(std::integral_constant<int, 2>{}, m0); m0 += 2; }
     else { kernel(std::integral_constant<int, 1>{}, m0); m0 += 1; }
   }
