@@ -49,7 +49,8 @@ def main() -> None:
     native = extension()
     if native is None or not native.causal_attention_available():
         raise SystemExit("needs the native extension (make install) and an AVX2 CPU")
-    print(f"\ncpu={cpu_kind()}  threads={args.threads}  torch {torch.__version__}  (ms per layer, best of 20 or 3)")
+    print(f"\ncpu={cpu_kind()}  threads={args.threads}  torch {torch.__version__}  (ms per layer, best of 20 or 3)  "
+          f"bf16 values by {native.causal_attention_isa()} (DFLASH_ATTENTION_ISA=avx2 forces fp32 fmas)")
     print("| cpu | cache | case | ours | torch |")
     print("|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):

@@ -84,6 +84,8 @@ def main() -> None:
         from dflash.engine.native import extension
 
         loop = "native" if extension() is not None else "python"
+        if extension() is not None and hasattr(extension(), "causal_attention_isa"):
+            loop += f"  attention values={extension().causal_attention_isa()}"  # over a bf16 cache
     except ImportError:  # a checkout from before the native loop
         loop = "python"
     measure = "thread CPU time" if args.threads == 1 else "wall time"

@@ -34,6 +34,7 @@ from dflash.engine.cpu import cpu_kind
 from dflash.engine.model import (
     SUPPORTED_ARCHITECTURES,
     ModelArgs,
+    attention_description,
     attention_kernels,
     attention_rows_invariant,
     build_transformer,
@@ -127,7 +128,7 @@ def load_model(
                  kernels=kernels_description() if weights in ("int8", "int4") else "torch")
         log.info("context", max_ctx=max_ctx, trained_context=args.max_position_embeddings,
                  rope_scaling=args.rope_scaling, kv_dtype=str(model.kv_dtype).removeprefix("torch."),
-                 attention=attention_kernels(), cpu=cpu_kind())
+                 attention=attention_description(model.kv_dtype), cpu=cpu_kind())
     else:
         from dflash.engine.hf_backend import load_hf_model
 
@@ -189,10 +190,10 @@ def load_model(
 def numerics(dtype: str, weights: str, model) -> str:
     """What decides the bits of a cached state besides the weights themselves: a disk snapshot is
     served only to a server that would compute the same keys and values (the same dtype, weight
-    format, quantized kernels, attention kernel and KV dtype; ours give the same bits on AVX2, VNNI
-    and AMX)."""
+    format, quantized kernels, attention kernel and how it multiplies the values, and KV dtype; the
+    quantized kernels give the same bits on AVX2, VNNI and AMX)."""
     kernels = quant_kernels() if weights in ("int8", "int4") else "torch"
-    return f"{dtype}/{weights}/{kernels}/attention-{attention_kernels()}/kv-{str(model.kv_dtype).removeprefix('torch.')}"
+    return f"{dtype}/{weights}/{kernels}/attention-{attention_description(model.kv_dtype)}/kv-{str(model.kv_dtype).removeprefix('torch.')}"
 
 
 def release_freed_memory() -> None:

@@ -158,6 +158,16 @@ def attention_kernels() -> str:
     return "ours"
 
 
+def attention_description(kv_dtype: torch.dtype) -> str:
+    """attention_kernels(), with how ours multiplies a bf16 cache's values: "ours-avx512-bf16" (bf16
+    dot products, where the CPU has them) or "ours-avx2" (fp32 fmas; DFLASH_ATTENTION_ISA=avx2).
+    The two give other bits, so a disk snapshot names which; over an fp32 cache they are one."""
+    kernels = attention_kernels()
+    if kernels == "ours" and kv_dtype == torch.bfloat16:
+        return f"ours-{native_kernels().causal_attention_isa()}"
+    return kernels
+
+
 def attention_rows_invariant(dtype: torch.dtype) -> bool:
     """Whether a row's attention is computed the same way whatever the other rows of its call (what
     lossless speculation needs) for a model in `dtype` on this CPU: always with our kernel, with

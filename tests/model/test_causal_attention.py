@@ -2,8 +2,10 @@
 a float64 reference), and computes each row the same way whatever the other rows of the call, the
 position the call starts at, and whether the call runs chunk by chunk (few rows) or row block by
 row block (many rows): what lossless speculation and exact prefix-cache restores rest on. The model
-runs it wherever model.attention_kernels() says "ours" (AVX2-only CPUs); DFLASH_ATTENTION=ours makes
-every CPU run it here."""
+runs it wherever model.attention_kernels() says "ours" (every CPU without AMX); DFLASH_ATTENTION=ours
+makes every CPU run it here. Over a bf16 cache it multiplies the values with bf16 dot products where
+the CPU has them (AVX512-BF16), else with fp32 fmas (DFLASH_ATTENTION_ISA=avx2): both are tested
+where the CPU runs both."""
 
 import math
 
@@ -17,6 +19,9 @@ from tests.model.tiny import ours_from_hf, tiny_hf_model
 pytestmark = pytest.mark.skipif(
     extension() is None or not extension().causal_attention_available(), reason="needs the native extension and AVX2"
 )
+
+ISAS = ["avx2", pytest.param("avx512-bf16", marks=pytest.mark.skipif(
+    extension() is None or extension().causal_attention_isa() != "avx512-bf16", reason="needs AVX512-BF16"))]
 
 CHUNK = 256  # causal_attention.cpp's kChunk: the row sets below straddle it
 FEW_ROWS = 64  # its kFewRows: up to this many query rows per KV head the call splits over chunks
@@ -42,10 +47,17 @@ def random_cache(T, H, KV, D, length, dtype, seed=0):
     return q, keys, values
 
 
+def use(isa, monkeypatch):
+    monkeypatch.setenv("DFLASH_ATTENTION_ISA", isa)
+    assert extension().causal_attention_isa() == isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [16, 64, 128])
+@pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("start,T", [(0, 1), (0, 7), (10, 1), (250, 8), (255, 2), (0, 300), (513, 40), (1000, 1)])
-def test_matches_a_float64_reference(dtype, D, start, T):
+def test_matches_a_float64_reference(isa, dtype, D, start, T, monkeypatch):
+    use(isa, monkeypatch)
     q, keys, values = random_cache(T, 6, 2, D, start + T + 5, dtype)
     out = extension().causal_attention(q, keys, values, start)
     assert out.dtype == dtype and out.shape == q.shape
@@ -53,12 +65,15 @@ def test_matches_a_float64_reference(dtype, D, start, T):
     assert (out.double() - reference(q.float(), keys.float(), values.float(), start)).abs().max() < tolerance
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_the_same_alone_in_a_verification_block_or_in_a_prefill_chunk(dtype):
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_a_row_is_the_same_alone_in_a_verification_block_or_in_a_prefill_chunk(isa, dtype, D, monkeypatch):
     """Positions 0..599 computed as one call (prefill: many rows), in blocks of 8 (verification: few
     rows, split over chunks), one at a time (decode), and in uneven pieces across the chunk
     boundaries: every row bit for bit the same."""
-    H, KV, D, length = 9, 3, 64, 600
+    use(isa, monkeypatch)
+    H, KV, length = 9, 3, 600
     q, keys, values = random_cache(length, H, KV, D, length + 8, dtype, seed=1)
     whole = extension().causal_attention(q, keys, values, 0)
     assert length * H // KV > FEW_ROWS  # the whole call takes the many-rows path
@@ -67,13 +82,31 @@ def test_a_row_is_the_same_alone_in_a_verification_block_or_in_a_prefill_chunk(d
         assert torch.equal(torch.cat(pieces), whole), cuts[:6]
 
 
-def test_it_reads_only_the_keys_a_row_may_see():
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4, 40])
+def test_it_reads_only_the_keys_a_row_may_see(isa, dtype, T, monkeypatch):
     """Positions past the call's last row hold anything (a cache's stale or unwritten tail, even NaN):
     the result does not change."""
-    q, keys, values = random_cache(4, 4, 2, 32, 300, torch.float32, seed=2)
+    use(isa, monkeypatch)
+    q, keys, values = random_cache(T, 4, 2, 32, 300, dtype, seed=2)
     clean = extension().causal_attention(q, keys, values, 250)
-    keys[:, 254:], values[:, 254:] = float("nan"), float("inf")
+    keys[:, 250 + T:], values[:, 250 + T:] = float("nan"), float("inf")
     assert torch.equal(extension().causal_attention(q, keys, values, 250), clean)
+
+
+@pytest.mark.skipif(extension() is None or extension().causal_attention_isa() != "avx512-bf16", reason="needs AVX512-BF16")
+def test_bf16_dot_products_are_a_sequence_of_their_own(monkeypatch):
+    """Over a bf16 cache the two ISAs round differently (so a disk snapshot names which: test_loading),
+    over an fp32 cache they are one."""
+    q, keys, values = random_cache(8, 9, 3, 64, 700, torch.bfloat16, seed=4)
+    by_isa = {}
+    for isa in ("avx2", "avx512-bf16"):
+        use(isa, monkeypatch)
+        by_isa[isa] = (extension().causal_attention(q, keys, values, 692),
+                       extension().causal_attention(q.float(), keys.float(), values.float(), 692))
+    assert not torch.equal(by_isa["avx2"][0], by_isa["avx512-bf16"][0])
+    assert torch.equal(by_isa["avx2"][1], by_isa["avx512-bf16"][1])
 
 
 @pytest.mark.parametrize("bad", ["head_dim", "past_the_cache", "dtype"])

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.engine.loading import ModelLoadError, load_model, numerics, resolve_source
-from dflash.engine.model import attention_kernels
+from dflash.engine.model import attention_description
+from dflash.engine.native import extension
 from dflash.engine.quant import kernels
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
@@ -108,10 +109,19 @@ def test_disk_snapshots_are_keyed_by_what_decides_their_bits(monkeypatch):
     not equal what this server computes, so the cache identity names all three."""
     model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
     ours = numerics("bfloat16", "int4", model)
-    assert ours.endswith(f"/{kernels()}/attention-{attention_kernels()}/kv-{str(model.kv_dtype).removeprefix('torch.')}")
+    assert ours.endswith(f"/{kernels()}/attention-{attention_description(model.kv_dtype)}/kv-{str(model.kv_dtype).removeprefix('torch.')}")
     for attention in ("ours", "torch"):
         monkeypatch.setenv("DFLASH_ATTENTION", attention)
-        assert f"/attention-{attention_kernels()}/" in numerics("bfloat16", "int4", model)
+        assert f"/attention-{attention_description(model.kv_dtype)}/" in numerics("bfloat16", "int4", model)
+    if extension() is not None and extension().causal_attention_available():
+        monkeypatch.setenv("DFLASH_ATTENTION", "ours")
+        seen = set()
+        for isa in ("avx2", "avx512-bf16"):  # the ISA the values are multiplied with, over a bf16 cache
+            monkeypatch.setenv("DFLASH_ATTENTION_ISA", isa)
+            seen.add(numerics("bfloat16", "int4", model))
+        assert len(seen) == (2 if extension().causal_attention_isa() == "avx512-bf16" else 1)
+        assert model.kv_dtype != torch.bfloat16 or all("/attention-ours-avx" in name for name in seen)
+        monkeypatch.delenv("DFLASH_ATTENTION_ISA")
     monkeypatch.delenv("DFLASH_ATTENTION")
     monkeypatch.setenv("DFLASH_KERNELS", "torch")
     forced = numerics("bfloat16", "int4", model)

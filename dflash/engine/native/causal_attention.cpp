@@ -27,9 +27,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -158,13 +161,204 @@ __attribute__((noinline)) AVX2_TARGET void chunk_softmax(float* s, int64_t seen,
   p.l() = sum_of(total);
 }
 
+// ---- bf16 dot products for the values (AVX512-BF16: AMD Zen 4, Intel Sapphire Rapids) ----------
+//
+// Why: with a bf16 cache, half of a verification's or a prefill's arithmetic is o = sum e_j v_j
+// (8 tokens x 3 query heads per value), and vdpbf16ps does two bf16 multiply-adds a lane where an
+// fp32 fma does one. Where the cache is bf16 and the CPU has it (DFLASH_ATTENTION_ISA=avx2 forces
+// the fp32 sequence) a row's values are, after the same scores and softmax as above:
+//
+//   e_j rounded to bf16 (as torch's own bf16 flash attention rounds its probabilities before
+//   multiplying the values); o = sum over key pairs (j, j+1) from the chunk's start, in order, of
+//   vdpbf16ps with (e_j, e_j+1) and (v_j, v_j+1) interleaved. Products of bf16 numbers are exact in
+//   fp32; vdpbf16ps rounds each addition to nearest and flushes denormals, the same in any lane.
+//   Pairs past a row's keys add e = +0 times finite values (or zeros past the keys the call reads):
+//   +0 or -0 added to a sum that is never -0, so they change nothing, and a row computed alone
+//   (fewer pairs) gets the same bits.
+//
+// The scores stay fp32 fmas: bf16 dot products there need the keys transposed (16 keys to the lanes
+// of a vector), which cost a decode step more than it saved (measured: a step at 16K 30% slower).
+#define BF16DOT_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+}
+
+// Whether a call over a bf16 cache multiplies its values with bf16 dot products.
+bool bf16_values_chosen() {
+  static const bool available = cpu_has_avx512_bf16();
+  const char* forced = std::getenv("DFLASH_ATTENTION_ISA");
+  return available && !(forced != nullptr && std::strcmp(forced, "avx2") == 0);
+}
+
+template <int D>
+struct Bf16Values {
+  static constexpr int kVectors = 2 * ((D + 31) / 32);    // interleaved zmm per key pair, o's zmm per row
+  static constexpr int kRows = D <= 32 ? 8 : D == 64 ? 6 : D == 128 ? 3 : 1;  // rows sharing each load
+};
+
+// A row's e (fp32, zero past `seen` up to a multiple of 8, in a kChunk buffer) as bf16 pairs
+// (e_j, e_j+1), zero from its last pair up to pair `until`.
+BF16DOT_TARGET void bf16_pairs(float* e, int64_t seen, int32_t* pairs, int64_t until) {
+  const int64_t converted = (seen + 31) / 32 * 32;
+  for (int64_t j = (seen + 7) / 8 * 8; j < converted; ++j) e[j] = 0.0f;
+  for (int64_t j = 0; j < converted; j += 32) {
+    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + j + 16), _mm512_loadu_ps(e + j));
+    _mm512_storeu_si512(pairs + j / 2, (__m512i)packed);
+  }
+  for (int64_t p = converted / 2; p < until; ++p) pairs[p] = 0;
+}
+
+// Key pair values (keys j and j + 1, zeros at or past `end`) interleaved: out[2g], out[2g + 1]
+// hold dimensions 32g.. as (v_j, v_j+1) pairs, in unpack order (bf16_store_o puts them back).
+template <int D>
+BF16DOT_TARGET inline void interleaved_values(const at::BFloat16* values, int64_t j, int64_t end, __m512i* out) {
+  for (int line = 0; line < 2 * D * 2; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(values + (j + kPrefetchKeys) * D) + line, _MM_HINT_T0);
+  UNROLLED for (int g = 0; g < (D + 31) / 32; ++g) {
+    const __mmask32 mask = 32 * g + 32 <= D ? 0xFFFFFFFFu : __mmask32((1u << (D - 32 * g)) - 1);
+    const __m512i a = _mm512_maskz_loadu_epi16(mask, values + j * D + 32 * g);
+    const __m512i b = j + 1 < end ? _mm512_maskz_loadu_epi16(mask, values + (j + 1) * D + 32 * g) : _mm512_setzero_si512();
+    out[2 * g] = _mm512_unpacklo_epi16(a, b);
+    out[2 * g + 1] = _mm512_unpackhi_epi16(a, b);
+  }
+}
+
+// o of NR rows (e[r]: a row's bf16 pairs) over the pairs from key `begin` on, `pairs` of them,
+// interleaving each pair's values in registers: one token's rows (a decode step) read them once.
+template <int D, int NR>
+BF16DOT_TARGET void bf16_values_direct(const int32_t* const* e, const at::BFloat16* values, int64_t begin, int64_t end,
+                                       int64_t pairs, __m512* o_rows) {
+  constexpr int V = Bf16Values<D>::kVectors;
+  __m512 o[NR][V];
+  UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) o[r][z] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i v[V];
+    interleaved_values<D>(values, begin + 2 * p, end, v);
+    UNROLLED for (int z = 0; z < V; ++z)
+      UNROLLED for (int r = 0; r < NR; ++r) o[r][z] = _mm512_dpbf16_ps(o[r][z], (__m512bh)_mm512_set1_epi32(e[r][p]), (__m512bh)v[z]);
+  }
+  UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) _mm512_store_ps(o_rows + r * V + z, o[r][z]);
+}
+
+// o of NR rows (in memory, rows V vectors apart) += their pairs [p0, p1), whose interleaved values
+// vbuf holds from p0 on: the groups of rows of several tokens share each block while it is in L1.
+template <int D, int NR>
+BF16DOT_TARGET void bf16_values_block(const int32_t* const* e, const __m512i* vbuf, int64_t p0, int64_t p1, __m512* o_rows) {
+  constexpr int V = Bf16Values<D>::kVectors;
+  __m512 o[NR][V];
+  UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) o[r][z] = _mm512_load_ps(o_rows + r * V + z);
+  for (int64_t p = p0; p < p1; ++p) {
+    UNROLLED for (int z = 0; z < V; ++z) {
+      const __m512i v = _mm512_load_si512(vbuf + (p - p0) * V + z);
+      UNROLLED for (int r = 0; r < NR; ++r) o[r][z] = _mm512_dpbf16_ps(o[r][z], (__m512bh)_mm512_set1_epi32(e[r][p]), (__m512bh)v);
+    }
+  }
+  UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) _mm512_store_ps(o_rows + r * V + z, o[r][z]);
+}
+
+// o in unpack order (per 32 dimensions: the low and the high 4 of each 128-bit lane's 8) -> the
+// dimensions in order, into a partial's o.
+template <int D>
+BF16DOT_TARGET void bf16_store_o(const __m512* o, float* dest) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  UNROLLED for (int g = 0; g < (D + 31) / 32; ++g) {
+    _mm512_storeu_ps(dest + 32 * g, _mm512_permutex2var_ps(o[2 * g], first, o[2 * g + 1]));
+    if (32 * g + 16 < D) _mm512_storeu_ps(dest + 32 * g + 16, _mm512_permutex2var_ps(o[2 * g], second, o[2 * g + 1]));
+  }
+}
+
+// f(std::integral_constant<int, n>) for 1 <= n <= NR: the kernels above are unrolled over their rows.
+template <int NR, typename F>
+inline void with_rows(int n, F&& f) {
+  if constexpr (NR > 1) {
+    if (n < NR) return with_rows<NR - 1>(n, f);
+  }
+  f(std::integral_constant<int, NR>{});
+}
+
+// The values of one token's n rows (their e in scores, kChunk apart, softmax done) over `seen` keys
+// from `begin`, into their partials (D + 2 apart).
+template <int D>
+BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_t begin, int64_t end,
+                                      const at::BFloat16* values, float* out) {
+  constexpr int V = Bf16Values<D>::kVectors, kMaxRows = 3;  // chunk_partials' kRowsAtOnce
+  alignas(64) int32_t pairs[kMaxRows][kChunk / 2];
+  alignas(64) __m512 o[kMaxRows * V];
+  const int32_t* e[kMaxRows];
+  const int64_t count = (seen + 1) / 2;
+  for (int r = 0; r < n; ++r) {
+    bf16_pairs(scores + r * kChunk, seen, pairs[r], count);
+    e[r] = pairs[r];
+  }
+  with_rows<kMaxRows>(n, [&](auto k) { bf16_values_direct<D, decltype(k)::value>(e, values, begin, end, count, o); });
+  for (int r = 0; r < n; ++r) bf16_store_o<D>(o + r * V, out + r * (D + 2) + 2);
+}
+
+// A thread's scratch memory, 64-byte aligned (a std::vector of __m512 is not: the element type's
+// alignment is dropped as a template argument), grown and never shrunk.
+class Scratch {
+ public:
+  ~Scratch() { std::free(memory_); }
+  template <typename T>
+  T* get(size_t count) {
+    const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+    if (bytes > bytes_) {
+      std::free(memory_);
+      memory_ = std::aligned_alloc(64, bytes);
+      TORCH_CHECK(memory_ != nullptr, "causal_attention: out of memory for ", bytes, " bytes of scratch");
+      bytes_ = bytes;
+    }
+    return static_cast<T*>(memory_);
+  }
+
+ private:
+  void* memory_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// The values of rows [first, last) of several tokens (positions[i - first]; their e in scores, kChunk
+// apart, softmax done) over the chunk's keys [begin, end), into their partials (D + 2 apart): blocks
+// of interleaved pairs shared by groups of rows, each row's o in memory between blocks.
+template <int D>
+BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, float* scores, int64_t begin, int64_t end,
+                                       const at::BFloat16* values, float* out) {
+  constexpr int V = Bf16Values<D>::kVectors, NR = Bf16Values<D>::kRows;
+  constexpr int64_t kPairBlock = 16;
+  thread_local Scratch pair_buffer, o_buffer, block_buffer;
+  const int64_t pairs = (end - begin + 1) / 2;
+  int32_t* const e = pair_buffer.get<int32_t>(size_t(count) * kChunk / 2);
+  __m512* const o = o_buffer.get<__m512>(size_t(count) * V);
+  __m512i* const vbuf = block_buffer.get<__m512i>(size_t(kPairBlock) * V);
+  int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
+  while (active < count && positions[active] < begin) ++active;
+  for (int64_t i = active; i < count; ++i) bf16_pairs(scores + i * kChunk, std::min(end, positions[i] + 1) - begin, e + i * kChunk / 2, pairs);
+  std::memset(static_cast<void*>(o + active * V), 0, sizeof(__m512) * V * (count - active));
+  const int32_t* rows_e[NR];
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairBlock) {
+    const int64_t p1 = std::min(pairs, p0 + kPairBlock);
+    for (int64_t p = p0; p < p1; ++p) interleaved_values<D>(values, begin + 2 * p, end, vbuf + (p - p0) * V);
+    for (int64_t i = active; i < count; i += NR) {
+      const int n = int(std::min<int64_t>(NR, count - i));
+      const int64_t until = std::min(p1, (std::min(end, positions[i + n - 1] + 1) - begin + 1) / 2);  // its last row's pairs
+      if (until <= p0) continue;
+      for (int r = 0; r < n; ++r) rows_e[r] = e + (i + r) * kChunk / 2;
+      with_rows<NR>(n, [&](auto k) { bf16_values_block<D, decltype(k)::value>(rows_e, vbuf, p0, until, o + i * V); });
+    }
+  }
+  for (int64_t i = active; i < count; ++i) bf16_store_o<D>(o + i * V, out + i * (D + 2) + 2);
+}
+
 // Partials of NR rows of one token (same position) over keys [begin, end) of a chunk: scores for
 // keys begin.. in groups of 4 (keys at or past `end` read as zeros; scores past a row's position
 // are masked below), the softmax, then the values. Each key and value vector is loaded (and
 // converted from bf16) once for the NR rows; every row's arithmetic is the fixed sequence of
 // the header comment whatever NR is: accumulations over D blocks in order, one tree per score,
 // values added in key order.
-template <int D, int NR, typename KT>
+template <int D, int NR, bool kBf16Values, typename KT>
 AVX2_TARGET void token_partials(const float* queries, float scale, int64_t seen, int64_t begin, int64_t end,
                                 const KT* keys, const KT* values, float* scores, float* out) {
   constexpr int blocks = D / 8;
@@ -198,6 +392,9 @@ AVX2_TARGET void token_partials(const float* queries, float scale, int64_t seen,
       _mm_storeu_ps(scores + r * kChunk + (j0 - begin), _mm_mul_ps(sums_of_four(acc[r]), _mm_set1_ps(scale)));
   }
   for (int r = 0; r < NR; ++r) chunk_softmax(scores + r * kChunk, seen, Partial{out + r * (D + 2)});
+  if constexpr (kBf16Values) {
+    return bf16_token_values<D>(NR, scores, seen, begin, end, values, out);
+  }
   // o = sum over visible keys, in key order, of e_j v_j: a slice of up to 4 vectors of D at a time
   constexpr int slice = blocks < 4 ? blocks : 4;
   for (int b0 = 0; b0 < blocks; b0 += slice) {
@@ -223,7 +420,7 @@ AVX2_TARGET void token_partials(const float* queries, float scale, int64_t seen,
 // Partials of rows [first, last) of KV head h over chunk c when they are several tokens (a
 // verification, a prefill task): each block of 8 keys converted once for all rows (rows whose
 // position is below the chunk are left alone). keys/values: [L, D] of this head.
-template <int D, typename QT, typename KT>
+template <int D, bool kBf16Values, typename QT, typename KT>
 AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first, int64_t last, int64_t c,
                                 const KT* keys, const KT* values, int64_t L, float* out) {  // out: row first's partial
   constexpr int blocks = D / 8;
@@ -252,7 +449,7 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
       } else {
         std::memset(key_block + k * D, 0, sizeof(float) * D);
       }
-      if (j < end) {
+      if (!kBf16Values && j < end) {
         UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(value_chunk + (j - begin) * D + 8 * b, load8(values + j * D + 8 * b));
       }
     }
@@ -276,6 +473,7 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     float* s = all_scores + (i - first) * kChunk;
     const Partial p{out + (i - first) * (D + 2)};
     chunk_softmax(s, seen, p);
+    if constexpr (kBf16Values) continue;
     __m256 o[blocks];
     UNROLLED for (int b = 0; b < blocks; ++b) o[b] = _mm256_setzero_ps();
     for (int64_t j = 0; j < seen; ++j) {
@@ -285,6 +483,9 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     }
     UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(p.o() + 8 * b, o[b]);
   }
+  if constexpr (kBf16Values) {
+    bf16_tokens_values<D>(count, positions.get(), all_scores, begin, end, values, out);
+  }
 }
 
 // Partials of rows [first, last) of KV head h over chunk c (rows whose position is below the chunk
@@ -292,11 +493,11 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
 // this head; out: row first's partial, then the next rows'. One token's rows (a decode step) read
 // the cache once, with prefetch (token_partials); several tokens' rows convert each block of keys
 // once for all of them (tokens_partials; measured faster there). Both compute the same bits.
-template <int D, typename QT, typename KT>
+template <int D, bool kBf16Values, typename QT, typename KT>
 AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, int64_t last, int64_t c,
                                 const KT* keys, const KT* values, int64_t L, float* out) {
   if (rows.position(first) != rows.position(last - 1)) {
-    tokens_partials<D>(rows, h, first, last, c, keys, values, L, out);
+    tokens_partials<D, kBf16Values>(rows, h, first, last, c, keys, values, L, out);
     return;
   }
   constexpr int blocks = D / 8;
@@ -316,9 +517,9 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
       }
       float* partial = out + (i - first) * (D + 2);
       switch (n) {
-        case 3: token_partials<D, 3>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
-        case 2: token_partials<D, 2>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
-        default: token_partials<D, 1>(queries, rows.scale, seen, begin, end, keys, values, scores, partial);
+        case 3: token_partials<D, 3, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
+        case 2: token_partials<D, 2, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
+        default: token_partials<D, 1, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial);
       }
     }
     i += n;
@@ -348,18 +549,26 @@ AVX2_TARGET void finish(const Partial& state, OT* out, int64_t D) {
 }
 
 template <int D, typename QT, typename KT>
-void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head_stride, int64_t L, int64_t KV, KT* out) {
+void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head_stride, int64_t L, int64_t KV, KT* out,
+            bool bf16_values) {
+  // the partials of rows [first, last) of head h over chunk c, by the values' sequence this call takes
+  auto partials = [&](int64_t h, int64_t first, int64_t last, int64_t c, float* into) {
+    const KT *head_keys = keys + h * head_stride, *head_values = values + h * head_stride;
+    if constexpr (std::is_same_v<KT, at::BFloat16>) {
+      if (bf16_values) return chunk_partials<D, true>(rows, h, first, last, c, head_keys, head_values, L, into);
+    }
+    chunk_partials<D, false>(rows, h, first, last, c, head_keys, head_values, L, into);
+  };
   const int64_t R = rows.count(), S = D + 2, chunks = (rows.position(R - 1) + kChunk) / kChunk;
   auto output_row = [&](int64_t h, int64_t i) { return out + ((i / rows.G) * rows.H + h * rows.G + i % rows.G) * D; };
   // multiply-adds of the scores and the weighted values (rows attend to up to their position)
   const bool worth_waking = 2 * KV * R * (rows.position(R - 1) + 1) * D >= step_pool::kWorthWakingMacs;
   if (R <= kFewRows) {  // every (head, chunk) a task, then merge per row in chunk order
-    auto partials = partial_buffer(KV * chunks * R, D);
+    auto buffer = partial_buffer(KV * chunks * R, D);
     step_pool::parallel_for(KV * chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task / chunks, c = task % chunks;
-        chunk_partials<D>(rows, h, 0, R, c, keys + h * head_stride, values + h * head_stride, L,
-                       partials.get() + (h * chunks + c) * R * S);
+        partials(h, 0, R, c, buffer.get() + (h * chunks + c) * R * S);
       }
     }, worth_waking);
     step_pool::parallel_for(KV * R, 1, [&](int64_t begin, int64_t end) {
@@ -367,8 +576,8 @@ void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head
       const Partial state{state_buffer.get()};
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task / R, i = task % R, last_chunk = rows.position(i) / kChunk;
-        std::memcpy(state.p, partials.get() + ((h * chunks) * R + i) * S, sizeof(float) * S);
-        for (int64_t c = 1; c <= last_chunk; ++c) merge(state, Partial{partials.get() + ((h * chunks + c) * R + i) * S}, D);
+        std::memcpy(state.p, buffer.get() + ((h * chunks) * R + i) * S, sizeof(float) * S);
+        for (int64_t c = 1; c <= last_chunk; ++c) merge(state, Partial{buffer.get() + ((h * chunks + c) * R + i) * S}, D);
         finish(state, output_row(h, i), D);
       }
     }, worth_waking);
@@ -380,9 +589,9 @@ void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, first = (task % blocks) * per_task, last = std::min(R, first + per_task);
       const int64_t last_chunk = rows.position(last - 1) / kChunk;
-      chunk_partials<D>(rows, h, first, last, 0, keys + h * head_stride, values + h * head_stride, L, states.get());
+      partials(h, first, last, 0, states.get());
       for (int64_t c = 1; c <= last_chunk; ++c) {
-        chunk_partials<D>(rows, h, first, last, c, keys + h * head_stride, values + h * head_stride, L, next.get());
+        partials(h, first, last, c, next.get());
         for (int64_t i = first; i < last; ++i) {
           if (rows.position(i) / kChunk >= c) merge(Partial{states.get() + (i - first) * S}, Partial{next.get() + (i - first) * S}, D);
         }
@@ -395,6 +604,9 @@ void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head
 }  // namespace
 
 bool causal_attention_available() { return cpu_has_avx2_fma(); }
+
+// How a bf16 cache's values are multiplied: "avx512-bf16" (bf16 dot products) or "avx2" (fp32 fmas).
+std::string causal_attention_isa() { return bf16_values_chosen() ? "avx512-bf16" : "avx2"; }
 
 // q [T, H, D] (the new tokens, at positions start..start+T-1), keys/values [KV, L, D] (a layer of the
 // cache, positions 0..start+T-1 written) -> [T, H, D] in the cache's dtype. H = G * KV, query head
@@ -414,6 +626,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
   auto out = at::empty({T, H, D}, q.options().dtype(keys.scalar_type()));
   if (T == 0) return out;
   const float scale = 1.0f / std::sqrt(float(D));
+  const bool bf16_values = bf16_values_chosen();  // used where the cache is bf16
   auto run = [&](auto q_type, auto kv_type) {
     using QT = decltype(q_type);
     using KT = decltype(kv_type);
@@ -421,11 +634,11 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
     const KT *k = keys.data_ptr<KT>(), *v = values.data_ptr<KT>();
     KT* o = out.data_ptr<KT>();
     switch (D) {  // the head dims of the families we load; compile-time, so o[] and the loops live in registers
-      case 16: attend<16>(rows, k, v, keys.stride(0), L, KV, o); break;
-      case 32: attend<32>(rows, k, v, keys.stride(0), L, KV, o); break;
-      case 64: attend<64>(rows, k, v, keys.stride(0), L, KV, o); break;
-      case 128: attend<128>(rows, k, v, keys.stride(0), L, KV, o); break;
-      default: attend<256>(rows, k, v, keys.stride(0), L, KV, o); break;
+      case 16: attend<16>(rows, k, v, keys.stride(0), L, KV, o, bf16_values); break;
+      case 32: attend<32>(rows, k, v, keys.stride(0), L, KV, o, bf16_values); break;
+      case 64: attend<64>(rows, k, v, keys.stride(0), L, KV, o, bf16_values); break;
+      case 128: attend<128>(rows, k, v, keys.stride(0), L, KV, o, bf16_values); break;
+      default: attend<256>(rows, k, v, keys.stride(0), L, KV, o, bf16_values); break;
     }
   };
   const bool bf16_q = query.scalar_type() == at::kBFloat16, bf16_kv = keys.scalar_type() == at::kBFloat16;

@@ -23,6 +23,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 // causal_attention.cpp
 bool causal_attention_available();
+std::string causal_attention_isa();
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
 
 namespace {
@@ -224,6 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("codes"), arg("scales"));
   m.def("step_pool_loops", &step_pool::loops_run, "parallel loops run by step_pool.cpp's spinning workers so far");
   m.def("causal_attention_available", &causal_attention_available, "whether this CPU runs causal_attention (AVX2 + FMA)");
+  m.def("causal_attention_isa", &causal_attention_isa,
+        "what a bf16 cache is attended with: avx512-bf16 (bf16 dot products) or avx2 (DFLASH_ATTENTION_ISA=avx2 forces it)");
   m.def("causal_attention", &causal_attention,
         "q [T, H, D] at positions start.. over keys/values [KV, L, D] -> [T, H, D], row-invariant (causal_attention.cpp)",
         arg("q"), arg("keys"), arg("values"), arg("start"));
