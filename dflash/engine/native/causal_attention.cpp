@@ -11,7 +11,8 @@
 //   position), a partial (m, l, o): the scores s_j = q.k_j / sqrt(D) (8 fma lanes over D, then one
 //   fixed reduction tree), m = max s_j, e_j = exp(s_j - m) (one polynomial), l = sum e_j (8 lanes by
 //   j mod 8, one tree), o = sum e_j v_j in j order. The partials are merged in chunk order, always
-//   by the same formula, and out = o / l.
+//   by the same formula, and out = o / l. (Over a bf16 cache on a CPU with AVX512-BF16, o is a sum
+//   of bf16 dot products over key pairs instead: the section "bf16 dot products for the values".)
 //
 // Which thread computes which partial changes nothing: few rows (decode, verification) run one
 // task per (KV head, chunk) so a long context uses both cores, many rows (prefill) one per (KV
@@ -46,6 +47,7 @@ constexpr int64_t kMaxDim = 256;     // the largest head_dim served
 constexpr int64_t kFewRows = 64;     // up to this many query rows per KV head: parallel over chunks
 constexpr int64_t kTokensPerTask = 4;  // many rows: tokens per task (x G query heads)
 constexpr int64_t kPrefetchKeys = 32;  // keys (and values) ahead that are prefetched
+constexpr int kTokenRows = 3;          // rows of one token sharing each key and value load (decode)
 
 bool cpu_has_avx2_fma() {
   __builtin_cpu_init();
@@ -285,16 +287,16 @@ inline void with_rows(int n, F&& f) {
 template <int D>
 BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_t begin, int64_t end,
                                       const at::BFloat16* values, float* out) {
-  constexpr int V = Bf16Values<D>::kVectors, kMaxRows = 3;  // chunk_partials' kRowsAtOnce
-  alignas(64) int32_t pairs[kMaxRows][kChunk / 2];
-  alignas(64) __m512 o[kMaxRows * V];
-  const int32_t* e[kMaxRows];
+  constexpr int V = Bf16Values<D>::kVectors;
+  alignas(64) int32_t pairs[kTokenRows][kChunk / 2];
+  alignas(64) __m512 o[kTokenRows * V];
+  const int32_t* e[kTokenRows];
   const int64_t count = (seen + 1) / 2;
   for (int r = 0; r < n; ++r) {
     bf16_pairs(scores + r * kChunk, seen, pairs[r], count);
     e[r] = pairs[r];
   }
-  with_rows<kMaxRows>(n, [&](auto k) { bf16_values_direct<D, decltype(k)::value>(e, values, begin, end, count, o); });
+  with_rows<kTokenRows>(n, [&](auto k) { bf16_values_direct<D, decltype(k)::value>(e, values, begin, end, count, o); });
   for (int r = 0; r < n; ++r) bf16_store_o<D>(o + r * V, out + r * (D + 2) + 2);
 }
 
@@ -501,14 +503,13 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
     return;
   }
   constexpr int blocks = D / 8;
-  constexpr int kRowsAtOnce = 3;  // rows of one token sharing each key and value load
   const int64_t begin = c * kChunk;
   const int64_t end = std::min({begin + kChunk, rows.position(last - 1) + 1, L});  // keys any row here sees
-  alignas(32) float queries[kRowsAtOnce * D];
-  alignas(32) float scores[kRowsAtOnce * kChunk];
+  alignas(32) float queries[kTokenRows * D];
+  alignas(32) float scores[kTokenRows * kChunk];
   for (int64_t i = first; i < last;) {
     const int64_t token_end = (i / rows.G + 1) * rows.G;  // rows of this token: [i, token_end)
-    const int64_t n = std::min<int64_t>({kRowsAtOnce, token_end - i, last - i});
+    const int64_t n = std::min<int64_t>({kTokenRows, token_end - i, last - i});
     const int64_t seen = std::min(end, rows.position(i) + 1) - begin;  // keys of this chunk these rows see
     if (seen > 0) {
       for (int64_t r = 0; r < n; ++r) {
