@@ -285,7 +285,8 @@ class RMSNorm(nn.Module):
         # (there); torch's where gradients flow (drafter training) or without the extension.
         native = native_kernels()
         if (native is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
-                and x.dtype in (torch.float32, torch.bfloat16) and not (torch.is_grad_enabled() and x.requires_grad)):
+                and x.dtype in (torch.float32, torch.bfloat16)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return native.rms_norm(x, self.weight, self.eps)
         # Normalize in fp32 like the reference implementations, so bf16 matches transformers.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)

@@ -61,6 +61,11 @@ def test_tiny_training_run_learns_and_its_checkpoint_decodes_losslessly(tiny_tar
 
     draft = load_dflash_checkpoint(tmp_path)
     assert draft.config.mask_token_id == mask and draft.config.target_layer_ids == layer_ids
+    # Every norm learned, the first layer's input norm too: its input (the frozen embeddings) needs
+    # no gradient, yet the norm's own weight does (it once took the native, gradient-less kernel).
+    untrained = [name for name, weight in draft.state_dict().items()
+                 if name.endswith("norm.weight") and torch.equal(weight, torch.ones_like(weight))]
+    assert untrained == []
     target = loaded.engine.model
     prompt = [1, 5, 9, 20, 3, 4]
     plain = Engine(target, max_ctx=256).start(prompt, SamplingParams(), 16).run()
