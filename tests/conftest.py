@@ -1,4 +1,8 @@
-"""How the test process ends.
+"""How the test process ends, and what its report ends with.
+
+The report's last section names the CPU (its kind, as the server logs it, and its model): several
+tests run the embedded model, whose greedy replies follow the CPU's kernels, so a failure in CI
+on another machine needs it to be read.
 
 The test process hosts what no server process does all at once: a Ray driver (tests/cluster, the
 cluster model test), whose gRPC and Serve router threads outlive `ray.shutdown()`, tqdm monitor
@@ -19,8 +23,27 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from pathlib import Path
 
 import pytest
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    from dflash.engine.cpu import cpu_kind
+
+    terminalreporter.write_sep("-", f"cpu {cpu_kind()}: {_cpu_model()}")
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "model unknown (no /proc/cpuinfo)"
+    fields = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return f"{fields.get('model name', '?')}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
