@@ -259,7 +259,8 @@ class DFlashDrafter:
         if max_tokens <= 0 or self.length != committed:
             return []
         # Fewer drafts run a shorter block, though training always ran whole ones (attention
-        # inside a block goes both ways, so the rows change): measured with the shipped drafter on
+        # inside a block goes both ways, so the rows change): measured once (a throwaway comparison,
+        # numbers in issue 17's session-16 note) with the shipped drafter on
         # the unseen prompts (int4, 1-3 drafts a step), the whole block with its first drafts kept
         # accepted less (tau on coding, code editing, tool use 1.45-1.73 vs 1.48-1.83 at 2 and 3
         # drafts; chat the same or lower), and it costs more rows.
