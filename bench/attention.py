@@ -1,6 +1,8 @@
 """Our causal attention kernel (engine/native/causal_attention.cpp) next to torch's flash kernel, per
 layer of the embedded model's shape (9 query heads over 3 KV heads, head dim 64), on random data:
-a decode row and a 1+7-row verification at 1K and 16K of context, a 256-row prefill chunk at 2K.
+a decode row and a 1+7-row verification at 1K and 16K of context, a 256-row prefill chunk at 2K,
+and a decode row at 16K over 30 layers' caches in turn (one layer's 16K cache fits in a 32 MiB L3;
+a decode step reads all 30 from memory, so that case is the one a step at depth pays).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/attention.py [--threads 1]
 """
@@ -22,8 +24,10 @@ from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.model import attention_row_groups, grouped_query_attention  # noqa: E402
 from dflash.engine.native import extension  # noqa: E402
 
-CASES = [("decode at 1K", 1024, 1), ("verify 1+7 at 1K", 1024, 8), ("decode at 16K", 16384, 1),
-         ("verify 1+7 at 16K", 16384, 8), ("prefill 256 at 2K", 1792, 256)]
+# (label, position of the first row, rows, distinct caches the calls cycle through)
+CASES = [("decode at 1K", 1024, 1, 1), ("verify 1+7 at 1K", 1024, 8, 1), ("decode at 16K", 16384, 1, 1),
+         ("verify 1+7 at 16K", 16384, 8, 1), ("decode at 16K, 30 caches", 16384, 1, 30),
+         ("prefill 256 at 2K", 1792, 256, 1)]
 
 
 def torch_attention(q, keys, values, start):  # model.Attention's torch path
@@ -54,13 +58,18 @@ def main() -> None:
     print("| cpu | cache | case | ours | torch |")
     print("|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
-        for label, start, rows in CASES:
+        for label, start, rows, caches in CASES:
             length = start + rows + 64
             q = torch.randn(rows, 9, 64).to(dtype)
-            keys, values = torch.randn(3, length, 64).to(dtype), torch.randn(3, length, 64).to(dtype)
-            repeats = 20 if rows < 100 else 3
-            ours = best_ms(lambda: native.causal_attention(q, keys, values, start), repeats)
-            theirs = best_ms(lambda: torch_attention(q, keys, values, start), repeats)
+            layers = [(torch.randn(3, length, 64).to(dtype), torch.randn(3, length, 64).to(dtype)) for _ in range(caches)]
+            repeats = 20 if rows < 100 and caches == 1 else 3
+
+            def per_layer(attention):  # ms per call, over every cache in turn
+                return best_ms(lambda: [attention(q, keys, values, start) for keys, values in layers], repeats) / caches
+
+            ours = per_layer(native.causal_attention)
+            theirs = per_layer(torch_attention)
+            del layers
             print(f"| {cpu_kind()} | {str(dtype).removeprefix('torch.')} | {label} | {ours:.2f} | {theirs:.2f} |", flush=True)
 
 

@@ -159,12 +159,16 @@ def attention_kernels() -> str:
 
 
 def attention_description(kv_dtype: torch.dtype) -> str:
-    """attention_kernels(), with how ours multiplies a bf16 cache's values: "ours-avx512-bf16" (bf16
-    dot products, where the CPU has them) or "ours-avx2" (fp32 fmas; DFLASH_ATTENTION_ISA=avx2).
-    The two give other bits, so a disk snapshot names which; over an fp32 cache they are one."""
+    """attention_kernels(), with how ours multiplies over a bf16 cache: "ours-avx512-bf16-r2" (bf16
+    dot products where the CPU has them, in the sequence's revision 2) or "ours-avx2" (fp32 fmas;
+    DFLASH_ATTENTION_ISA=avx2). They give other bits, so a disk snapshot names which; over an fp32
+    cache they are one."""
     kernels = attention_kernels()
     if kernels == "ours" and kv_dtype == torch.bfloat16:
-        return f"ours-{native_kernels().causal_attention_isa()}"
+        isa = native_kernels().causal_attention_isa()
+        if isa == "avx512-bf16":
+            return f"ours-{isa}-r{native_kernels().causal_attention_revision()}"
+        return f"ours-{isa}"
     return kernels
 
 

@@ -12,7 +12,8 @@
 //   fixed reduction tree), m = max s_j, e_j = exp(s_j - m) (one polynomial), l = sum e_j (8 lanes by
 //   j mod 8, one tree), o = sum e_j v_j in j order. The partials are merged in chunk order, always
 //   by the same formula, and out = o / l. (Over a bf16 cache on a CPU with AVX512-BF16, o is a sum
-//   of bf16 dot products over key pairs instead: the section "bf16 dot products for the values".)
+//   of bf16 dot products over key pairs instead, and with bf16 queries the scores are bf16 dot
+//   products with their own tree: the sections "bf16 dot products for the values / the scores".)
 //
 // Which thread computes which partial changes nothing: few rows (decode, verification) run one
 // task per (KV head, chunk) so a long context uses both cores, many rows (prefill) one per (KV
@@ -47,7 +48,8 @@ constexpr int64_t kMaxDim = 256;     // the largest head_dim served
 constexpr int64_t kFewRows = 64;     // up to this many query rows per KV head: parallel over chunks
 constexpr int64_t kTokensPerTask = 4;  // many rows: tokens per task (x G query heads)
 constexpr int64_t kPrefetchKeys = 32;  // keys (and values) ahead that are prefetched
-constexpr int kTokenRows = 3;          // rows of one token sharing each key and value load (decode)
+constexpr int kTokenRows = 3;
+          // rows of one token sharing each key and value load (decode)
 
 bool cpu_has_avx2_fma() {
   __builtin_cpu_init();
@@ -163,6 +165,28 @@ __attribute__((noinline)) AVX2_TARGET void chunk_softmax(float* s, int64_t seen,
   p.l() = sum_of(total);
 }
 
+// A thread's scratch memory, 64-byte aligned (a std::vector of __m512 is not: the element type's
+// alignment is dropped as a template argument), grown and never shrunk.
+class Scratch {
+ public:
+  ~Scratch() { std::free(memory_); }
+  template <typename T>
+  T* get(size_t count) {
+    const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+    if (bytes > bytes_) {
+      std::free(memory_);
+      memory_ = std::aligned_alloc(64, bytes);
+      TORCH_CHECK(memory_ != nullptr, "causal_attention: out of memory for ", bytes, " bytes of scratch");
+      bytes_ = bytes;
+    }
+    return static_cast<T*>(memory_);
+  }
+
+ private:
+  void* memory_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // ---- bf16 dot products for the values (AVX512-BF16: AMD Zen 4, Intel Sapphire Rapids) ----------
 //
 // Why: with a bf16 cache, half of a verification's or a prefill's arithmetic is o = sum e_j v_j
@@ -178,8 +202,7 @@ __attribute__((noinline)) AVX2_TARGET void chunk_softmax(float* s, int64_t seen,
 //   +0 or -0 added to a sum that is never -0, so they change nothing, and a row computed alone
 //   (fewer pairs) gets the same bits.
 //
-// The scores stay fp32 fmas: bf16 dot products there need the keys transposed (16 keys to the lanes
-// of a vector), which cost a decode step more than it saved (measured: a step at 16K 30% slower).
+// The scores are bf16 dot products too where q is bf16 (the section after this one).
 #define BF16DOT_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 bool cpu_has_avx512_bf16() {
@@ -232,12 +255,14 @@ BF16DOT_TARGET inline void interleaved_values(const at::BFloat16* values, int64_
 // interleaving each pair's values in registers: one token's rows (a decode step) read them once.
 template <int D, int NR>
 BF16DOT_TARGET void bf16_values_direct(const int32_t* const* e, const at::BFloat16* values, int64_t begin, int64_t end,
-                                       int64_t pairs, __m512* o_rows) {
+                                       int64_t pairs, __m512* o_rows, const at::BFloat16* next_keys) {
   constexpr int V = Bf16Values<D>::kVectors;
   __m512 o[NR][V];
   UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) o[r][z] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i v[V];
+    if (next_keys != nullptr)  // the next chunk's keys into L2: a thread's next task is that chunk
+      for (int line = 0; line < 2 * D * 2; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next_keys + 2 * p * D) + line, _MM_HINT_T1);
     interleaved_values<D>(values, begin + 2 * p, end, v);
     UNROLLED for (int z = 0; z < V; ++z)
       UNROLLED for (int r = 0; r < NR; ++r) o[r][z] = _mm512_dpbf16_ps(o[r][z], (__m512bh)_mm512_set1_epi32(e[r][p]), (__m512bh)v[z]);
@@ -273,6 +298,67 @@ BF16DOT_TARGET void bf16_store_o(const __m512* o, float* dest) {
   }
 }
 
+// ---- bf16 dot products for the scores (same CPUs, a bf16 cache and bf16 queries) ---------------
+//
+// Why: the scores as fp32 fmas cost each key D/8 fmas a row plus its conversion from bf16 and a
+// reduction tree, most of a decode step's arithmetic at depth (bench/attention.py). model.py casts
+// q to the cache's dtype, so q and k are both bf16 and vdpbf16ps multiplies them exactly, two
+// dimensions a lane. A row's score for key k, computed the same way in every call:
+//
+//   lanes i = 0..15: a_i = vdpbf16ps chained from +0 over the key's 32-dimension vectors h in order,
+//   lane i of vector h holding dimensions 32h + 2i, 32h + 2i + 1 (zeros past D);
+//   s = ((((a0+a2)+(a1+a3)) + ((a4+a6)+(a5+a7))) + (((a8+a10)+(a9+a11)) + ((a12+a14)+(a13+a15)))) * scale
+//
+// (sixteen_sums computes that tree for 16 keys at once with shuffles). Keys are taken 16 at a time
+// from the chunk's start; those at or past the call's last visible key are zeros, never read.
+template <int D>
+struct Bf16Scores {
+  static constexpr int kVectors = (D + 31) / 32;  // 32-dimension vectors per key (and per query)
+  static constexpr __mmask32 mask(int h) { return 32 * h + 32 <= D ? 0xFFFFFFFFu : __mmask32((1u << (D - 32 * h)) - 1); }
+};
+
+template <int D>
+BF16DOT_TARGET inline void bf16_query(const at::BFloat16* q, __m512i* out) {
+  UNROLLED for (int h = 0; h < Bf16Scores<D>::kVectors; ++h) out[h] = _mm512_maskz_loadu_epi16(Bf16Scores<D>::mask(h), q + 32 * h);
+}
+
+// Lane k = the tree of the header above over a[k]'s lanes, for 16 vectors at once.
+BF16DOT_TARGET inline __m512 sixteen_sums(const __m512* a) {
+  __m512 b[8], c[4];
+  UNROLLED for (int k = 0; k < 8; ++k)  // per 128 bits: a0+a2, b0+b2, a1+a3, b1+b3
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  UNROLLED for (int k = 0; k < 4; ++k) {  // per 128 bits: the 4 keys' sums of those 4 lanes
+    const __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// Scores of one row (q: its Bf16Scores vectors) for keys j0..j0+15, zeros at or past `end`.
+template <int D>
+BF16DOT_TARGET inline __m512 bf16_sixteen_scores(const __m512i* q, const at::BFloat16* keys, int64_t j0, int64_t end, float scale) {
+  constexpr int H = Bf16Scores<D>::kVectors;
+  __m512 acc[16];
+  if (j0 + 16 <= end) {
+    UNROLLED for (int k = 0; k < 16; ++k) {
+      acc[k] = _mm512_setzero_ps();
+      UNROLLED for (int h = 0; h < H; ++h)
+        acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)q[h], (__m512bh)_mm512_maskz_loadu_epi16(Bf16Scores<D>::mask(h), keys + (j0 + k) * D + 32 * h));
+    }
+  } else {
+    for (int k = 0; k < 16; ++k) {
+      acc[k] = _mm512_setzero_ps();
+      UNROLLED for (int h = 0; h < H; ++h) {
+        const __m512i key = j0 + k < end ? _mm512_maskz_loadu_epi16(Bf16Scores<D>::mask(h), keys + (j0 + k) * D + 32 * h) : _mm512_setzero_si512();
+        acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)q[h], (__m512bh)key);
+      }
+    }
+  }
+  return _mm512_mul_ps(sixteen_sums(acc), _mm512_set1_ps(scale));
+}
+
 // f(std::integral_constant<int, n>) for 1 <= n <= NR: the kernels above are unrolled over their rows.
 template <int NR, typename F>
 inline void with_rows(int n, F&& f) {
@@ -286,7 +372,7 @@ inline void with_rows(int n, F&& f) {
 // from `begin`, into their partials (D + 2 apart).
 template <int D>
 BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_t begin, int64_t end,
-                                      const at::BFloat16* values, float* out) {
+                                      const at::BFloat16* values, float* out, const at::BFloat16* next_keys = nullptr) {
   constexpr int V = Bf16Values<D>::kVectors;
   alignas(64) int32_t pairs[kTokenRows][kChunk / 2];
   alignas(64) __m512 o[kTokenRows * V];
@@ -296,31 +382,9 @@ BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_
     bf16_pairs(scores + r * kChunk, seen, pairs[r], count);
     e[r] = pairs[r];
   }
-  with_rows<kTokenRows>(n, [&](auto k) { bf16_values_direct<D, decltype(k)::value>(e, values, begin, end, count, o); });
+  with_rows<kTokenRows>(n, [&](auto k) { bf16_values_direct<D, decltype(k)::value>(e, values, begin, end, count, o, next_keys); });
   for (int r = 0; r < n; ++r) bf16_store_o<D>(o + r * V, out + r * (D + 2) + 2);
 }
-
-// A thread's scratch memory, 64-byte aligned (a std::vector of __m512 is not: the element type's
-// alignment is dropped as a template argument), grown and never shrunk.
-class Scratch {
- public:
-  ~Scratch() { std::free(memory_); }
-  template <typename T>
-  T* get(size_t count) {
-    const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
-    if (bytes > bytes_) {
-      std::free(memory_);
-      memory_ = std::aligned_alloc(64, bytes);
-      TORCH_CHECK(memory_ != nullptr, "causal_attention: out of memory for ", bytes, " bytes of scratch");
-      bytes_ = bytes;
-    }
-    return static_cast<T*>(memory_);
-  }
-
- private:
-  void* memory_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // The values of rows [first, last) of several tokens (positions[i - first]; their e in scores, kChunk
 // apart, softmax done) over the chunk's keys [begin, end), into their partials (D + 2 apart): blocks
@@ -352,6 +416,44 @@ BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, 
     }
   }
   for (int64_t i = active; i < count; ++i) bf16_store_o<D>(o + i * V, out + i * (D + 2) + 2);
+}
+
+// bf16_token_values after bf16 dot-product scores: the partials of NR rows of one token over the
+// chunk's `seen` keys from `begin` (keys at or past `end` are zeros), each key vector loaded from
+// memory once for the NR rows (they stay in L1 for the next rows).
+template <int D, int NR>
+BF16DOT_TARGET void bf16_token_partials(const at::BFloat16* const* q_rows, float scale, int64_t seen, int64_t begin, int64_t end,
+                                        const at::BFloat16* keys, const at::BFloat16* values, float* scores, float* out) {
+  __m512i q[NR][Bf16Scores<D>::kVectors];
+  UNROLLED for (int r = 0; r < NR; ++r) bf16_query<D>(q_rows[r], q[r]);
+  for (int64_t j0 = begin; j0 < begin + seen; j0 += 16) {
+    for (int64_t line = 0; line < 16 * D * 2; line += 64) {  // values into L2 for the pass after the scores
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
+    }
+    UNROLLED for (int r = 0; r < NR; ++r)
+      _mm512_storeu_ps(scores + r * kChunk + (j0 - begin), bf16_sixteen_scores<D>(q[r], keys, j0, end, scale));
+  }
+  for (int r = 0; r < NR; ++r) chunk_softmax(scores + r * kChunk, seen, Partial{out + r * (D + 2)});
+  bf16_token_values<D>(NR, scores, seen, begin, end, values, out, keys + (begin + kChunk) * D);
+}
+
+// The scores of rows [first, last) of several tokens (positions[i - first]) over the chunk's keys
+// [begin, end), into their rows of all_scores (kChunk apart): each block of 16 keys read from
+// memory once for every row that sees it, each score the same bits as bf16_token_partials'.
+template <int D>
+BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h, int64_t first, int64_t last, const int64_t* positions,
+                                       int64_t begin, int64_t end, const at::BFloat16* keys, float* all_scores) {
+  constexpr int H = Bf16Scores<D>::kVectors;
+  thread_local Scratch query_buffer;
+  __m512i* const q = query_buffer.get<__m512i>(size_t(last - first) * H);
+  for (int64_t i = first; i < last; ++i) bf16_query<D>(rows.query(h, i), q + (i - first) * H);
+  for (int64_t j0 = begin; j0 < end; j0 += 16) {
+    for (int64_t i = first; i < last; ++i) {
+      if (positions[i - first] < j0) continue;
+      _mm512_storeu_ps(all_scores + (i - first) * kChunk + (j0 - begin), bf16_sixteen_scores<D>(q + (i - first) * H, keys, j0, end, rows.scale));
+    }
+  }
 }
 
 // Partials of NR rows of one token (same position) over keys [begin, end) of a chunk: scores for
@@ -442,8 +544,10 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     const QT* q = rows.query(h, i);
     UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(queries + (i - first) * D + 8 * b, load8(q + 8 * b));
   }
+  constexpr bool kBf16Scores = kBf16Values && std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
+  if constexpr (kBf16Scores) bf16_tokens_scores<D>(rows, h, first, last, positions.get(), begin, end, keys, all_scores);
   // scores, 8 keys at a time; the block past the cache's end reads zero-padded copies
-  for (int64_t j0 = begin; j0 < end; j0 += 8) {
+  for (int64_t j0 = begin; j0 < end && !kBf16Scores; j0 += 8) {
     UNROLLED for (int k = 0; k < 8; ++k) {
       const int64_t j = j0 + k;
       if (j < L) {
@@ -502,6 +606,7 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
     tokens_partials<D, kBf16Values>(rows, h, first, last, c, keys, values, L, out);
     return;
   }
+  constexpr bool kBf16Scores = kBf16Values && std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
   constexpr int blocks = D / 8;
   const int64_t begin = c * kChunk;
   const int64_t end = std::min({begin + kChunk, rows.position(last - 1) + 1, L});  // keys any row here sees
@@ -512,15 +617,23 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
     const int64_t n = std::min<int64_t>({kTokenRows, token_end - i, last - i});
     const int64_t seen = std::min(end, rows.position(i) + 1) - begin;  // keys of this chunk these rows see
     if (seen > 0) {
-      for (int64_t r = 0; r < n; ++r) {
+      for (int64_t r = 0; r < n && !kBf16Scores; ++r) {
         const QT* q = rows.query(h, i + r);
         UNROLLED for (int b = 0; b < blocks; ++b) _mm256_store_ps(queries + r * D + 8 * b, load8(q + 8 * b));
       }
       float* partial = out + (i - first) * (D + 2);
-      switch (n) {
-        case 3: token_partials<D, 3, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
-        case 2: token_partials<D, 2, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
-        default: token_partials<D, 1, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial);
+      if constexpr (kBf16Scores) {
+        const at::BFloat16* q_rows[kTokenRows];
+        for (int64_t r = 0; r < n; ++r) q_rows[r] = rows.query(h, i + r);
+        with_rows<kTokenRows>(int(n), [&](auto k) {
+          bf16_token_partials<D, decltype(k)::value>(q_rows, rows.scale, seen, begin, end, keys, values, scores, partial);
+        });
+      } else {
+        switch (n) {
+          case 3: token_partials<D, 3, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
+          case 2: token_partials<D, 2, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial); break;
+          default: token_partials<D, 1, kBf16Values>(queries, rows.scale, seen, begin, end, keys, values, scores, partial);
+        }
       }
     }
     i += n;
@@ -608,6 +721,10 @@ bool causal_attention_available() { return cpu_has_avx2_fma(); }
 
 // How a bf16 cache's values are multiplied: "avx512-bf16" (bf16 dot products) or "avx2" (fp32 fmas).
 std::string causal_attention_isa() { return bf16_values_chosen() ? "avx512-bf16" : "avx2"; }
+
+// The sequence of operations over a bf16 cache, bumped whenever it changes (a disk snapshot names it,
+// loading.numerics): 1, the values as bf16 dot products; 2, the scores too.
+int64_t causal_attention_revision() { return 2; }
 
 // q [T, H, D] (the new tokens, at positions start..start+T-1), keys/values [KV, L, D] (a layer of the
 // cache, positions 0..start+T-1 written) -> [T, H, D] in the cache's dtype. H = G * KV, query head

@@ -24,6 +24,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
 // causal_attention.cpp
 bool causal_attention_available();
 std::string causal_attention_isa();
+int64_t causal_attention_revision();
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
 
 namespace {
@@ -227,6 +228,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention_available", &causal_attention_available, "whether this CPU runs causal_attention (AVX2 + FMA)");
   m.def("causal_attention_isa", &causal_attention_isa,
         "what a bf16 cache is attended with: avx512-bf16 (bf16 dot products) or avx2 (DFLASH_ATTENTION_ISA=avx2 forces it)");
+  m.def("causal_attention_revision", &causal_attention_revision,
+        "the revision of the sequence of operations over a bf16 cache (bumped when its bits change)");
   m.def("causal_attention", &causal_attention,
         "q [T, H, D] at positions start.. over keys/values [KV, L, D] -> [T, H, D], row-invariant (causal_attention.cpp)",
         arg("q"), arg("keys"), arg("values"), arg("start"));
