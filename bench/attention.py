@@ -1,6 +1,6 @@
 """Our causal attention kernel (engine/native/causal_attention.cpp) next to torch's flash kernel, per
 layer of the embedded model's shape (9 query heads over 3 KV heads, head dim 64), on random data:
-a decode row and a 1+7-row verification at 1K and 16K of context, a 256-row prefill chunk at 2K,
+a decode row and a 1+7-row verification at 1K and 16K of context, a 256-row prefill chunk at 2K and 16K,
 and a decode row at 16K over 30 layers' caches in turn (one layer's 16K cache fits in a 32 MiB L3;
 a decode step reads all 30 from memory, so that case is the one a step at depth pays).
 
@@ -27,7 +27,7 @@ from dflash.engine.native import extension  # noqa: E402
 # (label, position of the first row, rows, distinct caches the calls cycle through)
 CASES = [("decode at 1K", 1024, 1, 1), ("verify 1+7 at 1K", 1024, 8, 1), ("decode at 16K", 16384, 1, 1),
          ("verify 1+7 at 16K", 16384, 8, 1), ("decode at 16K, 30 caches", 16384, 1, 30),
-         ("prefill 256 at 2K", 1792, 256, 1)]
+         ("prefill 256 at 2K", 1792, 256, 1), ("prefill 256 at 16K", 16384, 256, 1)]
 
 
 def torch_attention(q, keys, values, start):  # model.Attention's torch path

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dflash.engine.model import attention_kernels, attention_rows_invariant, kv_dtype_for
+from dflash.engine.model import attention_description, attention_kernels, attention_rows_invariant, kv_dtype_for
 from dflash.engine.native import extension
 from tests.model.tiny import ours_from_hf, tiny_hf_model
 
@@ -140,3 +140,14 @@ def test_the_model_runs_ours_where_it_is_chosen(monkeypatch):
     monkeypatch.setenv("DFLASH_ATTENTION", "ours")
     assert kv_dtype_for(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
     assert attention_rows_invariant(torch.bfloat16) and attention_rows_invariant(torch.float32)
+
+
+@pytest.mark.skipif(extension() is None or extension().causal_attention_isa() != "avx512-bf16", reason="needs AVX512-BF16")
+def test_a_disk_snapshot_names_the_revision_of_the_bf16_sequence(monkeypatch):
+    """The scores became bf16 dot products in revision 2: a snapshot written before (named without
+    it) must not be served to this kernel, so the name carries the revision."""
+    monkeypatch.setenv("DFLASH_ATTENTION", "ours")
+    assert attention_description(torch.bfloat16) == f"ours-avx512-bf16-r{extension().causal_attention_revision()}"
+    assert extension().causal_attention_revision() >= 2
+    monkeypatch.setenv("DFLASH_ATTENTION_ISA", "avx2")
+    assert attention_description(torch.bfloat16) == "ours-avx2"

@@ -48,8 +48,7 @@ constexpr int64_t kMaxDim = 256;     // the largest head_dim served
 constexpr int64_t kFewRows = 64;     // up to this many query rows per KV head: parallel over chunks
 constexpr int64_t kTokensPerTask = 4;  // many rows: tokens per task (x G query heads)
 constexpr int64_t kPrefetchKeys = 32;  // keys (and values) ahead that are prefetched
-constexpr int kTokenRows = 3;
-          // rows of one token sharing each key and value load (decode)
+constexpr int kTokenRows = 3;          // rows of one token sharing each key and value load (decode)
 
 bool cpu_has_avx2_fma() {
   __builtin_cpu_init();
@@ -311,6 +310,10 @@ BF16DOT_TARGET void bf16_store_o(const __m512* o, float* dest) {
 //
 // (sixteen_sums computes that tree for 16 keys at once with shuffles). Keys are taken 16 at a time
 // from the chunk's start; those at or past the call's last visible key are zeros, never read.
+// Whether a call's scores take this sequence: bf16 values chosen, and q and the cache both bf16.
+template <bool kBf16Values, typename QT, typename KT>
+constexpr bool kBf16Scores = kBf16Values && std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
+
 template <int D>
 struct Bf16Scores {
   static constexpr int kVectors = (D + 31) / 32;  // 32-dimension vectors per key (and per query)
@@ -541,13 +544,13 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
   std::unique_ptr<int64_t[]> positions(new int64_t[count]);
   for (int64_t i = first; i < last; ++i) {
     positions[i - first] = rows.position(i);
+    if constexpr (kBf16Scores<kBf16Values, QT, KT>) continue;  // bf16_tokens_scores reads q as it is
     const QT* q = rows.query(h, i);
     UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(queries + (i - first) * D + 8 * b, load8(q + 8 * b));
   }
-  constexpr bool kBf16Scores = kBf16Values && std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
-  if constexpr (kBf16Scores) bf16_tokens_scores<D>(rows, h, first, last, positions.get(), begin, end, keys, all_scores);
+  if constexpr (kBf16Scores<kBf16Values, QT, KT>) bf16_tokens_scores<D>(rows, h, first, last, positions.get(), begin, end, keys, all_scores);
   // scores, 8 keys at a time; the block past the cache's end reads zero-padded copies
-  for (int64_t j0 = begin; j0 < end && !kBf16Scores; j0 += 8) {
+  for (int64_t j0 = begin; j0 < end && !kBf16Scores<kBf16Values, QT, KT>; j0 += 8) {
     UNROLLED for (int k = 0; k < 8; ++k) {
       const int64_t j = j0 + k;
       if (j < L) {
@@ -606,7 +609,6 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
     tokens_partials<D, kBf16Values>(rows, h, first, last, c, keys, values, L, out);
     return;
   }
-  constexpr bool kBf16Scores = kBf16Values && std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
   constexpr int blocks = D / 8;
   const int64_t begin = c * kChunk;
   const int64_t end = std::min({begin + kChunk, rows.position(last - 1) + 1, L});  // keys any row here sees
@@ -617,12 +619,12 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
     const int64_t n = std::min<int64_t>({kTokenRows, token_end - i, last - i});
     const int64_t seen = std::min(end, rows.position(i) + 1) - begin;  // keys of this chunk these rows see
     if (seen > 0) {
-      for (int64_t r = 0; r < n && !kBf16Scores; ++r) {
+      for (int64_t r = 0; r < n && !kBf16Scores<kBf16Values, QT, KT>; ++r) {
         const QT* q = rows.query(h, i + r);
         UNROLLED for (int b = 0; b < blocks; ++b) _mm256_store_ps(queries + r * D + 8 * b, load8(q + 8 * b));
       }
       float* partial = out + (i - first) * (D + 2);
-      if constexpr (kBf16Scores) {
+      if constexpr (kBf16Scores<kBf16Values, QT, KT>) {
         const at::BFloat16* q_rows[kTokenRows];
         for (int64_t r = 0; r < n; ++r) q_rows[r] = rows.query(h, i + r);
         with_rows<kTokenRows>(int(n), [&](auto k) {
