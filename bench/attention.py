@@ -2,9 +2,11 @@
 layer of the embedded model's shape (9 query heads over 3 KV heads, head dim 64), on random data:
 a decode row and a 1+7-row verification at 1K and 16K of context, a 256-row prefill chunk at 2K and 16K,
 and a decode row at 16K over 30 layers' caches in turn (one layer's 16K cache fits in a 32 MiB L3;
-a decode step reads all 30 from memory, so that case is the one a step at depth pays).
+a decode step reads all 30 from memory, so that case is the one a step at depth pays). Caches in
+float32, bfloat16 and, where the CPU has AVX512-VNNI, int8 (kv.Int8KVCache's codes and scales, by
+causal_attention_int8; torch has no kernel for them).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/attention.py [--threads 1]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/attention.py [--threads 1] [--caches bfloat16,int8]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def best_ms(run, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--caches", default="float32,bfloat16,int8", help="cache dtypes (int8 where the CPU can)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native = extension()
@@ -57,20 +60,39 @@ def main() -> None:
           f"bf16 values by {native.causal_attention_isa()} (DFLASH_ATTENTION_ISA=avx2 forces fp32 fmas)")
     print("| cpu | cache | case | ours | torch |")
     print("|---|---|---|---|---|")
-    for dtype in (torch.float32, torch.bfloat16):
+    for name in args.caches.split(","):
+        if name == "int8" and not native.int8_kv_available():
+            print(f"| {cpu_kind()} | int8 | (no AVX512-VNNI here) | - | - |")
+            continue
+        dtype = getattr(torch, name)
         for label, start, rows, caches in CASES:
             length = start + rows + 64
-            q = torch.randn(rows, 9, 64).to(dtype)
-            layers = [(torch.randn(3, length, 64).to(dtype), torch.randn(3, length, 64).to(dtype)) for _ in range(caches)]
+            q = torch.randn(rows, 9, 64).to(torch.bfloat16 if dtype == torch.int8 else dtype)
+            layers = [random_layer(native, dtype, length) for _ in range(caches)]
             repeats = 20 if rows < 100 and caches == 1 else 3
 
             def per_layer(attention):  # ms per call, over every cache in turn
-                return best_ms(lambda: [attention(q, keys, values, start) for keys, values in layers], repeats) / caches
+                return best_ms(lambda: [attention(q, layer, start) for layer in layers], repeats) / caches
 
-            ours = per_layer(native.causal_attention)
-            theirs = per_layer(torch_attention)
+            if dtype == torch.int8:
+                ours, theirs = per_layer(lambda q, layer, start: native.causal_attention_int8(q, *layer, start)), None
+            else:
+                ours = per_layer(lambda q, layer, start: native.causal_attention(q, *layer, start))
+                theirs = per_layer(lambda q, layer, start: torch_attention(q, *layer, start))
             del layers
-            print(f"| {cpu_kind()} | {str(dtype).removeprefix('torch.')} | {label} | {ours:.2f} | {theirs:.2f} |", flush=True)
+            print(f"| {cpu_kind()} | {name} | {label} | {ours:.2f} | {'-' if theirs is None else f'{theirs:.2f}'} |", flush=True)
+
+
+def random_layer(native, dtype: torch.dtype, length: int) -> tuple:
+    """One layer's keys and values of random data ([3, length, 64]); int8: quantized from bf16 as an
+    Int8KVCache stores them, with their scales."""
+    if dtype != torch.int8:
+        return torch.randn(3, length, 64).to(dtype), torch.randn(3, length, 64).to(dtype)
+    keys, values = torch.empty(3, length, 64, dtype=torch.uint8), torch.empty(3, length, 64, dtype=torch.int8)
+    key_scales, value_scales = torch.empty(3, length), torch.empty(3, length)
+    k, v = (torch.randn(length, 3, 64).to(torch.bfloat16) for _ in range(2))
+    native.quantize_kv(k, v, keys, values, key_scales, value_scales, 0)
+    return keys, values, key_scales, value_scales
 
 
 if __name__ == "__main__":

@@ -114,6 +114,9 @@ def filled_to(engine, filler: list[int], depth: int) -> None:
         end = min(start + len(prefilled), depth)
         kv.keys[:, :, start:end] = kv.keys[:, :, : end - start]
         kv.values[:, :, start:end] = kv.values[:, :, : end - start]
+        if kv.quantized:  # an int8 cache's scales, tiled alike
+            kv.key_scales[:, :, start:end] = kv.key_scales[:, :, : end - start]
+            kv.value_scales[:, :, start:end] = kv.value_scales[:, :, : end - start]
     kv.length = depth
     engine.prefix_reuse.committed[:] = (prefilled * (depth // len(prefilled) + 1))[:depth]
 
@@ -185,7 +188,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="with --contexts: model dtypes or weight formats (bfloat16, float32, int8, int4)")
     parser.add_argument("--contexts", default="", help="e.g. 1024,8192,16384,32768: speed at these depths instead")
-    parser.add_argument("--kv-dtypes", default="auto", help="with --contexts: auto, float32, bfloat16")
+    parser.add_argument("--kv-dtypes", default="auto", help="with --contexts: auto, float32, bfloat16, int8")
     args = parser.parse_args()
     thread_counts = [int(t) for t in str(args.threads).split(",")]
     if args.contexts:

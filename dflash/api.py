@@ -192,6 +192,7 @@ class API:
             "status": "ok",
             "model": self._model.model_id,
             "weights": self._model.weights,
+            "kv_cache": self._model.kv_cache,
             "cpu": self._model.cpu,
             "state": self._scheduler.state,
             "queue_depth": self._scheduler.queue_depth,

@@ -47,7 +47,8 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
 
     config, spec, cache = full_config.model, full_config.speculative, full_config.cache
     loaded = load_engine_model(
-        config.source, dtype=config.dtype, weights=config.weights, max_ctx=config.max_ctx, threads=config.threads,
+        config.source, dtype=config.dtype, weights=config.weights, kv_cache=config.kv_cache, max_ctx=config.max_ctx,
+        threads=config.threads,
         rope_scaling=config.rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
         prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir),
         speculation=SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens,
@@ -72,6 +73,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         compresses_to_fit=full_config.prefill.compression != "off",
         weights_format=weights_format(config.source),
         weights=loaded.weights,
+        kv_cache=loaded.kv_cache,
         cpu=cpu_kind(),
     )
     return loaded.engine, text

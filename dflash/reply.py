@@ -58,6 +58,7 @@ class ModelText:
     compresses_to_fit: bool = False
     weights_format: str = "unknown"  # what the weights were read from: gguf, safetensors (for operators)
     weights: str = ""  # the weight format served (bf16, fp32, int8, int4); "" on a fake model
+    kv_cache: str = ""  # the KV cache's dtype (bfloat16, float32, int8); "" on a fake model
     cpu: str = ""  # the CPU kind the kernels were chosen for (engine/cpu.py)
 
 

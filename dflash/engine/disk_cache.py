@@ -113,7 +113,7 @@ def decode(path: Path, identity: dict[str, Any]) -> LoadedSnapshot:
         dtype = getattr(torch, entry["dtype"])
         tensors[entry["name"]] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).reshape(entry["shape"])
     tokens = tuple(header["tokens"])
-    snapshot = KVSnapshot(tensors["keys"], tensors["values"], len(tokens))
+    snapshot = KVSnapshot(tensors["keys"], tensors["values"], len(tokens), tensors.get("key_scales"), tensors.get("value_scales"))
     return LoadedSnapshot(tokens, snapshot, tensors.get("draft_rows"))
 
 
@@ -295,6 +295,8 @@ class DiskCache:
         if name in self._entries:
             return
         tensors = {"keys": snapshot.keys, "values": snapshot.values}
+        if snapshot.key_scales is not None:  # an Int8KVCache's
+            tensors |= {"key_scales": snapshot.key_scales, "value_scales": snapshot.value_scales}
         if draft_rows is not None:
             tensors["draft_rows"] = draft_rows
         data = encode(self.identity, tokens, tensors, self.model)

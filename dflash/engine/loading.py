@@ -59,6 +59,8 @@ class ModelLoadError(Exception):
     pass
 
 
+KV_CACHES = ("auto", "int8")  # config.ModelConfig.kv_cache
+
 @attrs.define
 class LoadedModel:
     model_id: str
@@ -69,6 +71,7 @@ class LoadedModel:
     dtype: str
     backend: str  # "native" or "transformers"
     weights: str = "bf16"  # the weight format served: bf16, fp32, int8 or int4
+    kv_cache: str = "bfloat16"  # the serving KV cache's dtype: bfloat16, float32 or int8
 
 
 def load_model(
@@ -76,6 +79,7 @@ def load_model(
     *,
     dtype: str = "bfloat16",
     weights: str | None = None,
+    kv_cache: str = "auto",
     max_ctx: int = 32768,
     rope_scaling: str = "auto",
     rope_scaling_factor: float = 0.0,
@@ -94,11 +98,14 @@ def load_model(
     compression: CompressionSettings = CompressionSettings(),
 ) -> LoadedModel:
     """`weights`: None serves `dtype` as it is; "auto", "bf16", "fp32", "int8" or "int4" pick the
-    weight format (quant.py), which also sets the activation dtype (bf16 for the quantized ones)."""
+    weight format (quant.py), which also sets the activation dtype (bf16 for the quantized ones).
+    `kv_cache`: "auto" (model.kv_dtype_for) or "int8" (kv.Int8KVCache; built-in decoder, AVX512-VNNI)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ModelLoadError(f"unsupported weights {weights!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
+    if kv_cache not in KV_CACHES:
+        raise ModelLoadError(f"unsupported kv_cache {kv_cache!r}; expected one of {', '.join(KV_CACHES)}")
     torch.set_num_threads(threads)
     cache = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
     model_id, folder = resolve_source(source, cache)
@@ -122,6 +129,12 @@ def load_model(
         args = with_rope_scaling(args, max_ctx, rope_scaling, rope_scaling_factor)
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
         quantize_linears(model, weights)
+        if kv_cache == "int8":
+            native_kernels = native_extension()
+            if native_kernels is None or not native_kernels.int8_kv_available():
+                raise ModelLoadError("kv_cache \"int8\" needs the native kernels (`make install`) on a CPU with "
+                                     f"AVX512-VNNI; this one is {cpu_kind()}")
+            model.kv_cache = "int8"
         backend = "native"
         log.info("weights", format=weights, cpu=cpu_kind(), activations=dtype,
                  decode_loop="native" if native_extension() is not None else "python",
@@ -135,6 +148,8 @@ def load_model(
         if weights in ("int8", "int4"):
             log.warning("weights_not_quantized", requested=weights, reason="the transformers backend serves bf16")
             weights = "bf16"
+        if kv_cache == "int8":
+            raise ModelLoadError("kv_cache \"int8\" needs the built-in decoder; this model runs on transformers")
         model = load_hf_model(folder, DTYPES[dtype])
         backend = "transformers"
         if max_ctx <= 0:
@@ -184,7 +199,8 @@ def load_model(
         ),
     )
     release_freed_memory()
-    return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend, weights)
+    served_kv = str(model.kv_dtype).removeprefix("torch.") if backend == "native" else dtype
+    return LoadedModel(model_id, tokenizer, engine, max_ctx, folder, dtype, backend, weights, served_kv)
 
 
 def numerics(dtype: str, weights: str, model) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.engine.kv import KVCache
+from dflash.engine.kv import Int8KVCache, KVCache
 from dflash.engine.native import extension as native_extension
 from dflash.engine.native import extension as native_kernels  # the kernels; native_extension: the decode loop
 from dflash.engine.native import layer_arguments as native_layer_arguments
@@ -158,11 +158,17 @@ def attention_kernels() -> str:
     return "ours"
 
 
+# decode_layers' key/value scales where the cache is not an Int8KVCache.
+NO_SCALES = torch.empty(0)
+
+
 def attention_description(kv_dtype: torch.dtype) -> str:
     """attention_kernels(), with how ours multiplies over a bf16 cache: "ours-avx512-bf16-r2" (bf16
     dot products where the CPU has them, in the sequence's revision 2) or "ours-avx2" (fp32 fmas;
     DFLASH_ATTENTION_ISA=avx2). They give other bits, so a disk snapshot names which; over an fp32
     cache they are one."""
+    if kv_dtype == torch.int8:
+        return f"ours-int8-vnni-r{native_kernels().int8_kv_revision()}"
     kernels = attention_kernels()
     if kernels == "ours" and kv_dtype == torch.bfloat16:
         isa = native_kernels().causal_attention_isa()
@@ -350,10 +356,13 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : H + KV], cos, sin)
             q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, H + KV :]
-        keys, values = kv.write(layer, start, k, v)  # [KV, start+T, D] in the cache's dtype
-        q = q.to(keys.dtype)
+        kv.write(layer, start, k, v)
+        q = q.to(kv.attention_dtype(q.dtype))
         if mask is not None:  # an explicit (tree) mask
-            out = grouped_query_attention(q, keys, values, mask)  # [T, H, D]
+            keys, values = kv.readable(layer, start + T)  # [KV, start+T, D]
+            out = grouped_query_attention(q.to(keys.dtype), keys, values, mask)  # [T, H, D]
+        elif kv.quantized:
+            out = kv.attend(q, layer, start)
         elif attention_kernels() == "ours" and x.device.type == "cpu":
             out = native_kernels().causal_attention(q, kv.keys[layer], kv.values[layer], start)
         else:
@@ -457,6 +466,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_cache: tuple[Tensor, Tensor] | None = None
         self._native_arguments: dict | None = None
+        self.kv_cache = "auto"  # or "int8" (loading.load_model's kv_cache)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -467,13 +477,18 @@ class Transformer(nn.Module):
         return self.embed.weight.device
 
     def new_kv_cache(self, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A cache of `max_ctx` positions in `dtype` (default: `kv_dtype`, the one chosen for this CPU)."""
+        """A cache of `max_ctx` positions in `dtype` (default: `kv_dtype`, the one chosen for this CPU;
+        torch.int8: an Int8KVCache)."""
         a = self.args
-        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, dtype or self.kv_dtype, self.device, self.dtype)
+        dtype = dtype or self.kv_dtype
+        if dtype == torch.int8:
+            return Int8KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.device, native_kernels())
+        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, dtype, self.device, self.dtype)
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return kv_dtype_for(self.dtype, self.device)
+        """The serving cache's dtype: torch.int8 where `kv_cache` is "int8" (set by loading), else kv_dtype_for."""
+        return torch.int8 if self.kv_cache == "int8" else kv_dtype_for(self.dtype, self.device)
 
     def _native_layer_arguments(self) -> dict:
         # Built on first use: quantize_linears replaces the linears after construction.
@@ -513,7 +528,7 @@ class Transformer(nn.Module):
         sin = sin_table[start_position:end]
         x = self.embed(tokens)  # [T, C]
         row_groups = None
-        ours = attention_kernels() == "ours" and x.device.type == "cpu"
+        ours = (attention_kernels() == "ours" or kv.quantized) and x.device.type == "cpu"
         if attention_mask is None and not ours:
             row_groups = attention_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
                                               kv.keys.dtype, x.device)
@@ -524,7 +539,9 @@ class Transformer(nn.Module):
         native = native_extension() if causal and T <= FEW_ROWS and x.device.type == "cpu" else None
         if native is not None:
             x, *captured = native.decode_layers(
-                x, cos, sin, kv.keys, kv.values, start_position, **self._native_layer_arguments(),
+                x, cos, sin, kv.keys, kv.values, *(
+                    (kv.key_scales, kv.value_scales) if kv.quantized else (NO_SCALES, NO_SCALES)
+                ), start_position, **self._native_layer_arguments(),
                 group_starts=[g.rows.start for g in row_groups or ()], group_ends=[g.rows.stop for g in row_groups or ()],
                 group_keys=[g.keys for g in row_groups or ()], group_masks=[g.mask for g in row_groups or ()],
                 our_attention=ours,

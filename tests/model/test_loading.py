@@ -66,6 +66,19 @@ def test_speculation_runs_only_where_verified_rows_equal_decoded_ones(tmp_path, 
     assert (loaded.engine.speculation.drafter == "ngram") == speculates
 
 
+def test_an_int8_kv_cache_is_served_where_the_cpu_can_and_refused_clearly_elsewhere(tmp_path, monkeypatch):
+    write_hf_folder(tmp_path / "tiny")
+    with pytest.raises(ModelLoadError, match="unsupported kv_cache 'int4'"):
+        load_model(str(tmp_path / "tiny"), kv_cache="int4", max_ctx=64)
+    if extension() is not None and extension().int8_kv_available():
+        loaded = load_model(str(tmp_path / "tiny"), kv_cache="int8", weights="int8", max_ctx=64)
+        assert loaded.kv_cache == "int8" and loaded.engine.kv.quantized
+        assert loaded.engine.start([5, 9, 33], SamplingParams(), max_tokens=4).run()
+    monkeypatch.setattr("dflash.engine.loading.native_extension", lambda: None)  # no native kernels, or no VNNI
+    with pytest.raises(ModelLoadError, match="AVX512-VNNI"):
+        load_model(str(tmp_path / "tiny"), kv_cache="int8", max_ctx=64)
+
+
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve_source(str(tmp_path / "nope"), tmp_path)

@@ -29,7 +29,8 @@ async def test_a_browser_gets_the_page_and_json_clients_keep_json(start_server):
         headers = [("accept", accept)] if accept else []
         root = await request(served.port, "GET", "/", headers=headers)
         assert root.headers["content-type"] == "application/json"
-        assert {"status", "model", "state", "queue_depth", "uptime_s", "version", "warnings"} <= set(root.json())
+        assert {"status", "model", "weights", "kv_cache", "cpu", "state", "queue_depth", "uptime_s", "version",
+                "warnings"} <= set(root.json())
 
 
 async def test_the_page_files_are_served_with_their_types(start_server):

@@ -664,17 +664,11 @@ AVX2_TARGET void finish(const Partial& state, OT* out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] = OT(row[d]);
 }
 
-template <int D, typename QT, typename KT>
-void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head_stride, int64_t L, int64_t KV, KT* out,
-            bool bf16_values) {
-  // the partials of rows [first, last) of head h over chunk c, by the values' sequence this call takes
-  auto partials = [&](int64_t h, int64_t first, int64_t last, int64_t c, float* into) {
-    const KT *head_keys = keys + h * head_stride, *head_values = values + h * head_stride;
-    if constexpr (std::is_same_v<KT, at::BFloat16>) {
-      if (bf16_values) return chunk_partials<D, true>(rows, h, first, last, c, head_keys, head_values, L, into);
-    }
-    chunk_partials<D, false>(rows, h, first, last, c, head_keys, head_values, L, into);
-  };
+// Runs partials(h, first, last, c, into) (rows [first, last) of KV head h over chunk c, into their
+// partials D + 2 apart) for every head and chunk, merges each row's partials in chunk order and
+// writes out. Few rows: one task per (head, chunk); many: one per (head, block of tokens).
+template <int D, typename QT, typename OT, typename Partials>
+void schedule(const Rows<QT>& rows, int64_t KV, OT* out, Partials&& partials) {
   const int64_t R = rows.count(), S = D + 2, chunks = (rows.position(R - 1) + kChunk) / kChunk;
   auto output_row = [&](int64_t h, int64_t i) { return out + ((i / rows.G) * rows.H + h * rows.G + i % rows.G) * D; };
   // multiply-adds of the scores and the weighted values (rows attend to up to their position)
@@ -717,6 +711,240 @@ void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head
   }, worth_waking);
 }
 
+template <int D, typename QT, typename KT>
+void attend(const Rows<QT>& rows, const KT* keys, const KT* values, int64_t head_stride, int64_t L, int64_t KV, KT* out,
+            bool bf16_values) {
+  // the partials of rows [first, last) of head h over chunk c, by the values' sequence this call takes
+  schedule<D>(rows, KV, out, [&](int64_t h, int64_t first, int64_t last, int64_t c, float* into) {
+    const KT *head_keys = keys + h * head_stride, *head_values = values + h * head_stride;
+    if constexpr (std::is_same_v<KT, at::BFloat16>) {
+      if (bf16_values) return chunk_partials<D, true>(rows, h, first, last, c, head_keys, head_values, L, into);
+    }
+    chunk_partials<D, false>(rows, h, first, last, c, head_keys, head_values, L, into);
+  });
+}
+
+// ---- int8 keys and values (AVX512-VNNI: AMD Zen 4, Intel from Ice Lake on) ---------------------
+//
+// Why: at depth a decode step reads every cached key and value once, so at 16K of context the
+// cache is most of a step's memory traffic (bench/attention.py, "30 caches": memory-bound). As int8
+// codes with one scale per (token, KV head) it is half the bytes of bf16, and VNNI multiplies the
+// codes as integers (perplexity: README, Numbers). quantize_row is the one quantization (keys,
+// values, each query row): scale = max|x| / 127, codes round-half-even(x / scale), all 0 where
+// max|x| is 0. A row's partial over a chunk, computed the same way whatever the other rows of its
+// call (integer sums are exact in any order; the float steps are per row, in a fixed order):
+//
+//   scores: the row's codes (signed) against each key's codes stored + 128 (unsigned, as vpdpbusd
+//   takes them), minus 128 * the sum of the row's codes; s_j = (float(dot_j) * key_scale_j) *
+//   (q_scale / sqrt(D)). chunk_softmax as above gives e_j, m and l.
+//   values: w_j = e_j * value_scale_j (zero past the row's keys); f = max w / 32767, weights
+//   round-half-even(w_j * (32767 / max w)) as int16 (0 where max w is 0); o = float(sum over key
+//   pairs of vpdpwssd(weights, value codes)) * f. A weight is off by at most f / 2: finer than the
+//   bf16 path's rounding of e_j for all but the smallest weights.
+#define VNNI_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+
+constexpr int kKeyOffset = 128;        // a key code c is stored as the byte c + 128
+constexpr float kWeightCodes = 32767;  // the largest value weight, as int16
+
+// x[0..D) -> codes, returning the scale (quantize_kv, the query rows): plain scalar code, so every
+// caller gets the same bits (no fast-math: the division and the rounding are IEEE's).
+template <typename T>
+float quantize_row(const T* x, int64_t D, int8_t* codes) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(float(x[d])));
+  if (!(amax > 0.0f)) {
+    std::memset(codes, 0, size_t(D));
+    return 0.0f;
+  }
+  const float scale = amax / 127.0f;
+  for (int64_t d = 0; d < D; ++d) codes[d] = int8_t(std::max(-127.0f, std::min(127.0f, std::nearbyint(float(x[d]) / scale))));
+  return scale;
+}
+
+// Query rows quantized once per call: codes [T, H, D] (as Rows), per row its scale times
+// 1/sqrt(D) and 128 times its codes' sum (the unsigned keys' offset, taken back).
+struct Int8Rows {
+  Rows<int8_t> rows;
+  const float* scales;
+  const int32_t* offsets;
+  int64_t index(int64_t h, int64_t i) const { return (i / rows.G) * rows.H + h * rows.G + i % rows.G; }
+};
+
+template <int D>
+struct Int8Keys {
+  static constexpr int kVectors = (D + 63) / 64;  // 64-byte vectors per key (and per query row)
+  static constexpr __mmask64 mask(int h) { return 64 * h + 64 <= D ? ~__mmask64(0) : (__mmask64(1) << (D - 64 * h)) - 1; }
+};
+
+// Lane k = the sum of a[k]'s 16 lanes, for 16 vectors at once (integers: any tree gives the same).
+VNNI_TARGET inline __m512i sixteen_int_sums(const __m512i* a) {
+  __m512i b[8], c[4];
+  UNROLLED for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]));
+  UNROLLED for (int k = 0; k < 4; ++k)
+    c[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * k], b[2 * k + 1]), _mm512_unpackhi_epi64(b[2 * k], b[2 * k + 1]));
+  const __m512i d0 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
+  const __m512i d1 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88), _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(d0, d1, 0x88), _mm512_shuffle_i32x4(d0, d1, 0xDD));
+}
+
+// One row's scores (q: its code vectors) for keys j0..j0+15; those at or past `end` are not read.
+template <int D>
+VNNI_TARGET inline __m512 int8_sixteen_scores(const __m512i* q, int32_t offset, float scale, const uint8_t* keys,
+                                              const float* key_scales, int64_t j0, int64_t end) {
+  constexpr int H = Int8Keys<D>::kVectors;
+  __m512i acc[16];
+  if (j0 + 16 <= end) {
+    UNROLLED for (int k = 0; k < 16; ++k) {
+      acc[k] = _mm512_setzero_si512();
+      UNROLLED for (int h = 0; h < H; ++h)
+        acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_maskz_loadu_epi8(Int8Keys<D>::mask(h), keys + (j0 + k) * D + 64 * h), q[h]);
+    }
+  } else {
+    for (int k = 0; k < 16; ++k) {
+      acc[k] = _mm512_setzero_si512();
+      if (j0 + k >= end) continue;
+      UNROLLED for (int h = 0; h < H; ++h)
+        acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_maskz_loadu_epi8(Int8Keys<D>::mask(h), keys + (j0 + k) * D + 64 * h), q[h]);
+    }
+  }
+  const __m512i dots = _mm512_sub_epi32(sixteen_int_sums(acc), _mm512_set1_epi32(offset));
+  const __mmask16 valid = end - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - j0)) - 1);
+  const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_maskz_loadu_ps(valid, key_scales + j0));
+  return _mm512_mul_ps(scaled, _mm512_set1_ps(scale));
+}
+
+// A row's e over its `seen` keys (softmax done) as int16 weights in pairs (see the header), zero
+// from its last pair up to pair `until`; returns f.
+// w_j = e_j * value_scale_j for keys j..j+15, zero at or past `seen`.
+VNNI_TARGET inline __m512 sixteen_value_weights(const float* e, const float* value_scales, int64_t j, int64_t seen) {
+  const __mmask16 valid = seen - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (seen - j)) - 1);
+  return _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, e + j), _mm512_maskz_loadu_ps(valid, value_scales + j));
+}
+
+VNNI_TARGET float int8_weights(const float* e, int64_t seen, const float* value_scales, int32_t* pairs, int64_t until) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; j += 16) largest = _mm512_max_ps(largest, sixteen_value_weights(e, value_scales, j, seen));
+  const float w_max = _mm512_reduce_max_ps(largest);
+  int16_t* const weights = reinterpret_cast<int16_t*>(pairs);
+  const int64_t filled = (seen + 15) / 16 * 16;
+  if (w_max > 0.0f) {
+    const __m512 inverse = _mm512_set1_ps(kWeightCodes / w_max);
+    for (int64_t j = 0; j < seen; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(sixteen_value_weights(e, value_scales, j, seen), inverse))));
+  } else {
+    std::memset(weights, 0, sizeof(int16_t) * size_t(filled));
+  }
+  for (int64_t j = filled; j < 2 * until; ++j) weights[j] = 0;
+  return w_max > 0.0f ? w_max / kWeightCodes : 0.0f;
+}
+
+// Key pair values (keys j and j + 1, zeros at or past `end`) as int16, interleaved like
+// interleaved_values (bf16_store_o puts them back in order).
+template <int D>
+VNNI_TARGET inline void int8_interleaved_values(const int8_t* values, int64_t j, int64_t end, __m512i* out) {
+  UNROLLED for (int g = 0; g < (D + 31) / 32; ++g) {
+    const __mmask32 mask = 32 * g + 32 <= D ? 0xFFFFFFFFu : __mmask32((1u << (D - 32 * g)) - 1);
+    const __m512i a = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, values + j * D + 32 * g));
+    const __m512i b = j + 1 < end ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, values + (j + 1) * D + 32 * g)) : _mm512_setzero_si512();
+    out[2 * g] = _mm512_unpacklo_epi16(a, b);
+    out[2 * g + 1] = _mm512_unpackhi_epi16(a, b);
+  }
+}
+
+// o of NR rows (in memory, rows V vectors apart) += their weight pairs [p0, p1) times the values
+// vbuf holds from p0 on.
+template <int D, int NR>
+VNNI_TARGET void int8_values_block(const int32_t* const* w, const __m512i* vbuf, int64_t p0, int64_t p1, __m512i* o_rows) {
+  constexpr int V = Bf16Values<D>::kVectors;
+  __m512i o[NR][V];
+  UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) o[r][z] = _mm512_load_si512(o_rows + r * V + z);
+  for (int64_t p = p0; p < p1; ++p) {
+    UNROLLED for (int z = 0; z < V; ++z) {
+      const __m512i v = _mm512_load_si512(vbuf + (p - p0) * V + z);
+      UNROLLED for (int r = 0; r < NR; ++r) o[r][z] = _mm512_dpwssd_epi32(o[r][z], _mm512_set1_epi32(w[r][p]), v);
+    }
+  }
+  UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) _mm512_store_si512(o_rows + r * V + z, o[r][z]);
+}
+
+// Partials of rows [first, last) of KV head h over chunk c (rows whose position is below the chunk
+// are left alone), whatever their tokens: each block of 16 keys and of 16 value pairs is read once
+// for all the rows. keys/values/scales: this head's, from position 0; out: row first's partial.
+template <int D>
+VNNI_TARGET void int8_chunk_partials(const Int8Rows& q, int64_t h, int64_t first, int64_t last, int64_t c, const uint8_t* keys,
+                                     const int8_t* values, const float* key_scales, const float* value_scales, float* out) {
+  constexpr int H = Int8Keys<D>::kVectors, V = Bf16Values<D>::kVectors, NR = Bf16Values<D>::kRows;
+  constexpr int64_t kPairBlock = 16;
+  const Rows<int8_t>& rows = q.rows;
+  const int64_t begin = c * kChunk, end = std::min(begin + kChunk, rows.position(last - 1) + 1);  // keys any row sees
+  const int64_t count = last - first, pairs = (end - begin + 1) / 2;
+  thread_local Scratch position_buffer, score_buffer, factor_buffer, weight_buffer, o_buffer, block_buffer;
+  int64_t* const positions = position_buffer.get<int64_t>(size_t(count));
+  float* const scores = score_buffer.get<float>(size_t(count) * kChunk);
+  float* const factors = factor_buffer.get<float>(size_t(count));
+  int32_t* const weights = weight_buffer.get<int32_t>(size_t(count) * kChunk / 2);
+  __m512i* const o = o_buffer.get<__m512i>(size_t(count) * V);
+  __m512i* const vbuf = block_buffer.get<__m512i>(size_t(kPairBlock) * V);
+  for (int64_t i = 0; i < count; ++i) positions[i] = rows.position(first + i);
+  int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
+  while (active < count && positions[active] < begin) ++active;
+  // scores, 16 keys at a time for every row that sees them
+  for (int64_t j0 = begin; j0 < end; j0 += 16) {
+    for (int64_t line = 0; line < 16 * D; line += 64) {  // the next keys into L1, these keys' values into L2
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
+    }
+    for (int64_t i = active; i < count; ++i) {
+      if (positions[i] < j0) continue;
+      const int64_t row = q.index(h, first + i);
+      __m512i query[H];
+      UNROLLED for (int v = 0; v < H; ++v) query[v] = _mm512_maskz_loadu_epi8(Int8Keys<D>::mask(v), rows.q + row * D + 64 * v);
+      _mm512_storeu_ps(scores + i * kChunk + (j0 - begin),
+                       int8_sixteen_scores<D>(query, q.offsets[row], q.scales[row], keys, key_scales, j0, end));
+    }
+  }
+  for (int64_t i = active; i < count; ++i) {
+    const int64_t seen = std::min(end, positions[i] + 1) - begin;
+    chunk_softmax(scores + i * kChunk, seen, Partial{out + i * (D + 2)});
+    factors[i] = int8_weights(scores + i * kChunk, seen, value_scales + begin, weights + i * kChunk / 2, pairs);
+  }
+  // values, 16 pairs at a time for groups of NR rows
+  std::memset(static_cast<void*>(o + active * V), 0, sizeof(__m512i) * V * size_t(count - active));
+  const int32_t* rows_w[NR];
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairBlock) {
+    const int64_t p1 = std::min(pairs, p0 + kPairBlock);
+    for (int64_t p = p0; p < p1; ++p) int8_interleaved_values<D>(values, begin + 2 * p, end, vbuf + (p - p0) * V);
+    for (int64_t i = active; i < count; i += NR) {
+      const int n = int(std::min<int64_t>(NR, count - i));
+      const int64_t until = std::min(p1, (std::min(end, positions[i + n - 1] + 1) - begin + 1) / 2);  // its last row's pairs
+      if (until <= p0) continue;
+      for (int r = 0; r < n; ++r) rows_w[r] = weights + (i + r) * kChunk / 2;
+      with_rows<NR>(n, [&](auto k) { int8_values_block<D, decltype(k)::value>(rows_w, vbuf, p0, until, o + i * V); });
+    }
+  }
+  for (int64_t i = active; i < count; ++i) {
+    alignas(64) __m512 scaled[V];
+    UNROLLED for (int z = 0; z < V; ++z) scaled[z] = _mm512_mul_ps(_mm512_cvtepi32_ps(o[i * V + z]), _mm512_set1_ps(factors[i]));
+    bf16_store_o<D>(scaled, out + i * (D + 2) + 2);
+  }
+}
+
+template <int D, typename OT>
+void attend_int8(const Int8Rows& q, const uint8_t* keys, const int8_t* values, const float* key_scales, const float* value_scales,
+                 int64_t head_stride, int64_t scale_stride, int64_t KV, OT* out) {
+  schedule<D>(q.rows, KV, out, [&](int64_t h, int64_t first, int64_t last, int64_t c, float* into) {
+    int8_chunk_partials<D>(q, h, first, last, c, keys + h * head_stride, values + h * head_stride, key_scales + h * scale_stride,
+                           value_scales + h * scale_stride, into);
+  });
+}
+
 }  // namespace
 
 bool causal_attention_available() { return cpu_has_avx2_fma(); }
@@ -727,6 +955,112 @@ std::string causal_attention_isa() { return bf16_values_chosen() ? "avx512-bf16"
 // The sequence of operations over a bf16 cache, bumped whenever it changes (a disk snapshot names it,
 // loading.numerics): 1, the values as bf16 dot products; 2, the scores too.
 int64_t causal_attention_revision() { return 2; }
+
+// Whether this CPU attends over an int8 cache (causal_attention_int8, quantize_kv).
+bool int8_kv_available() { return cpu_has_avx512_vnni(); }
+
+// The sequence of operations over an int8 cache, bumped whenever it changes (a disk snapshot names it).
+int64_t int8_kv_revision() { return 1; }
+
+namespace {
+void check_int8_layer(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales, const at::Tensor& value_scales,
+                      const char* where) {
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kByte && values.scalar_type() == at::kChar,
+              where, ": keys [KV, L, D] uint8 and values int8 of the same shape, not ", keys.sizes(), " ", keys.scalar_type(),
+              " and ", values.sizes(), " ", values.scalar_type());
+  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == keys.size(2) && values.strides() == keys.strides(), where,
+              ": keys and values must be [KV, L, D] with rows of D contiguous");
+  TORCH_CHECK(key_scales.dim() == 2 && key_scales.size(0) == keys.size(0) && key_scales.size(1) == keys.size(1) &&
+                  key_scales.scalar_type() == at::kFloat && key_scales.stride(1) == 1 && value_scales.sizes() == key_scales.sizes() &&
+                  value_scales.strides() == key_scales.strides() && value_scales.scalar_type() == at::kFloat,
+              where, ": scales [KV, L] float32 with L contiguous, not ", key_scales.sizes(), " and ", value_scales.sizes());
+}
+}  // namespace
+
+// k, v [T, KV, D] (bf16 or fp32): rows start..start+T-1 of an int8 layer (keys [KV, L, D] uint8 as
+// code + 128, values int8, their scales [KV, L] float32), by quantize_row.
+void quantize_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor keys, at::Tensor values, at::Tensor key_scales,
+                 at::Tensor value_scales, int64_t start) {
+  check_int8_layer(keys, values, key_scales, value_scales, "quantize_kv");
+  const int64_t T = k.size(0), KV = keys.size(0), L = keys.size(1), D = keys.size(2);
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == KV && k.size(2) == D && v.sizes() == k.sizes(), "quantize_kv: k ", k.sizes(), ", v ",
+              v.sizes(), " for a cache of ", KV, " heads of ", D);
+  TORCH_CHECK(start >= 0 && start + T <= L, "quantize_kv: positions ", start, "..", start + T, " past ", L);
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat),
+              "quantize_kv: k ", k.scalar_type(), ", v ", v.scalar_type(), " (bf16 or fp32)");
+  auto k_rows = k.contiguous(), v_rows = v.contiguous();
+  const int64_t head_stride = keys.stride(0), scale_stride = key_scales.stride(0);
+  uint8_t* const key_codes = keys.data_ptr<uint8_t>();
+  int8_t* const value_codes = values.data_ptr<int8_t>();
+  float *const ks = key_scales.data_ptr<float>(), *const vs = value_scales.data_ptr<float>();
+  auto run = [&](auto type) {
+    using T_ = decltype(type);
+    const T_ *kx = k_rows.data_ptr<T_>(), *vx = v_rows.data_ptr<T_>();
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < KV; ++h) {
+        const int64_t row = (t * KV + h) * D, at_ = h * head_stride + (start + t) * D, scale_at = h * scale_stride + start + t;
+        int8_t* key_row = reinterpret_cast<int8_t*>(key_codes + at_);
+        ks[scale_at] = quantize_row(kx + row, D, key_row);
+        for (int64_t d = 0; d < D; ++d) key_codes[at_ + d] = uint8_t(int(key_row[d]) + kKeyOffset);
+        vs[scale_at] = quantize_row(vx + row, D, value_codes + at_);
+      }
+    }
+  };
+  if (k.scalar_type() == at::kBFloat16) run(at::BFloat16{});
+  else run(float{});
+}
+
+// causal_attention over an int8 layer (quantize_kv's): q [T, H, D] (bf16 or fp32) -> [T, H, D] in q's dtype.
+at::Tensor causal_attention_int8(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
+                                 const at::Tensor& value_scales, int64_t start) {
+  TORCH_CHECK(cpu_has_avx512_vnni(), "causal_attention_int8: needs AVX512-VNNI");
+  check_int8_layer(keys, values, key_scales, value_scales, "causal_attention_int8");
+  TORCH_CHECK(q.dim() == 3, "causal_attention_int8: q ", q.sizes());
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(0), L = keys.size(1);
+  TORCH_CHECK(keys.size(2) == D && (D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && H % KV == 0,
+              "causal_attention_int8: head dim ", D, " (16, 32, 64, 128 or 256), ", H, " query heads over ", KV, " KV heads");
+  TORCH_CHECK(start >= 0 && start + T <= L, "causal_attention_int8: positions ", start, "..", start + T, " past ", L, " cached");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "causal_attention_int8: q ", q.scalar_type());
+  auto query = q.contiguous();
+  auto out = at::empty({T, H, D}, query.options());
+  if (T == 0) return out;
+  auto codes = at::empty({T, H, D}, query.options().dtype(at::kChar));
+  std::vector<float> scales(size_t(T * H));
+  std::vector<int32_t> offsets(size_t(T * H));
+  const float softmax_scale = 1.0f / std::sqrt(float(D));
+  auto quantize_queries = [&](auto type) {
+    using T_ = decltype(type);
+    const T_* x = query.data_ptr<T_>();
+    int8_t* c = codes.data_ptr<int8_t>();
+    for (int64_t row = 0; row < T * H; ++row) {
+      scales[row] = quantize_row(x + row * D, D, c + row * D) * softmax_scale;
+      int32_t sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += c[row * D + d];
+      offsets[row] = kKeyOffset * sum;
+    }
+  };
+  if (query.scalar_type() == at::kBFloat16) quantize_queries(at::BFloat16{});
+  else quantize_queries(float{});
+  const Int8Rows rows{Rows<int8_t>{codes.data_ptr<int8_t>(), start, T, H / KV, H, D, softmax_scale}, scales.data(), offsets.data()};
+  auto run = [&](auto out_type) {
+    using OT = decltype(out_type);
+    const uint8_t* k = keys.data_ptr<uint8_t>();
+    const int8_t* v = values.data_ptr<int8_t>();
+    const float *ks = key_scales.data_ptr<float>(), *vs = value_scales.data_ptr<float>();
+    OT* o = out.data_ptr<OT>();
+    const int64_t hs = keys.stride(0), ss = key_scales.stride(0);
+    switch (D) {
+      case 16: attend_int8<16>(rows, k, v, ks, vs, hs, ss, KV, o); break;
+      case 32: attend_int8<32>(rows, k, v, ks, vs, hs, ss, KV, o); break;
+      case 64: attend_int8<64>(rows, k, v, ks, vs, hs, ss, KV, o); break;
+      case 128: attend_int8<128>(rows, k, v, ks, vs, hs, ss, KV, o); break;
+      default: attend_int8<256>(rows, k, v, ks, vs, hs, ss, KV, o); break;
+    }
+  };
+  if (query.scalar_type() == at::kBFloat16) run(at::BFloat16{});
+  else run(float{});
+  return out;
+}
 
 // q [T, H, D] (the new tokens, at positions start..start+T-1), keys/values [KV, L, D] (a layer of the
 // cache, positions 0..start+T-1 written) -> [T, H, D] in the cache's dtype. H = G * KV, query head

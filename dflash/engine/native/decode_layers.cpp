@@ -26,6 +26,12 @@ bool causal_attention_available();
 std::string causal_attention_isa();
 int64_t causal_attention_revision();
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
+bool int8_kv_available();
+int64_t int8_kv_revision();
+void quantize_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor keys, at::Tensor values, at::Tensor key_scales,
+                 at::Tensor value_scales, int64_t start);
+at::Tensor causal_attention_int8(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
+                                 const at::Tensor& value_scales, int64_t start);
 
 namespace {
 
@@ -143,11 +149,12 @@ at::Tensor grouped_query_attention(const at::Tensor& q, const at::Tensor& keys, 
 // x [T, C]; per layer: norms 2 (attention, ffn), qk_norms 2 or 0, linears 4 (wqkv, wo, w13, w2) x 3
 // tensors with kinds/has_bias/out_features. Attention: causal_attention.cpp's (our_attention), else
 // torch's over groups: row ranges of the new tokens with their padded key counts and repeated masks
-// (model.attention_row_groups). Returns x after the last layer and the
+// (model.attention_row_groups). An int8 cache (kv.Int8KVCache: key_scales and value_scales not empty)
+// is written by quantize_kv and read by causal_attention_int8. Returns x after the last layer and the
 // hidden states after each layer in `capture` (ascending).
 std::vector<at::Tensor> decode_layers(
     at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values,
-    int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
+    const at::Tensor& key_scales, const at::Tensor& value_scales, int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
     const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& kinds,
     const std::vector<int64_t>& has_bias, const std::vector<int64_t>& out_features, int64_t group_size,
     const std::vector<int64_t>& group_starts, const std::vector<int64_t>& group_ends,
@@ -155,7 +162,7 @@ std::vector<at::Tensor> decode_layers(
     int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, const std::vector<int64_t>& capture) {
   at::NoGradGuard no_grad;
   const int64_t layers = keys.size(0), T = x.size(0), H = num_heads, KV = num_kv_heads, D = head_dim;
-  const bool qk_norm = !qk_norms.empty();
+  const bool qk_norm = !qk_norms.empty(), int8_cache = key_scales.numel() > 0;
   // Our kernels' threads spin through the step only where every parallel loop of it is ours: torch's
   // own (dense linears, its attention) wake OpenMP threads, which would queue behind the spinners.
   const bool all_ours = our_attention && std::all_of(kinds.begin(), kinds.end(), [](int64_t kind) {
@@ -185,20 +192,26 @@ std::vector<at::Tensor> decode_layers(
     }
     auto v = qkv.slice(1, H + KV);
     auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
-    layer_keys.slice(1, start, start + T).copy_(k.transpose(0, 1));
-    layer_values.slice(1, start, start + T).copy_(v.transpose(0, 1));
-    q = q.to(keys.scalar_type());
     at::Tensor attended;
-    if (our_attention) {
-      attended = causal_attention(q, layer_keys, layer_values, start);
+    if (int8_cache) {
+      const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
+      quantize_kv(k, v, layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
+      attended = causal_attention_int8(q, layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
     } else {
-      std::vector<at::Tensor> parts;
-      for (size_t g = 0; g < group_starts.size(); ++g) {
-        parts.push_back(grouped_query_attention(q.slice(0, group_starts[g], group_ends[g]),
-                                                layer_keys.slice(1, 0, group_keys[g]),
-                                                layer_values.slice(1, 0, group_keys[g]), group_masks[g]));
+      layer_keys.slice(1, start, start + T).copy_(k.transpose(0, 1));
+      layer_values.slice(1, start, start + T).copy_(v.transpose(0, 1));
+      q = q.to(keys.scalar_type());
+      if (our_attention) {
+        attended = causal_attention(q, layer_keys, layer_values, start);
+      } else {
+        std::vector<at::Tensor> parts;
+        for (size_t g = 0; g < group_starts.size(); ++g) {
+          parts.push_back(grouped_query_attention(q.slice(0, group_starts[g], group_ends[g]),
+                                                  layer_keys.slice(1, 0, group_keys[g]),
+                                                  layer_values.slice(1, 0, group_keys[g]), group_masks[g]));
+        }
+        attended = at::cat(parts);
       }
-      attended = at::cat(parts);
     }
     x = x + linear(1)(attended.reshape({T, H * D}).to(x.scalar_type()));
     // feed-forward
@@ -233,8 +246,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention", &causal_attention,
         "q [T, H, D] at positions start.. over keys/values [KV, L, D] -> [T, H, D], row-invariant (causal_attention.cpp)",
         arg("q"), arg("keys"), arg("values"), arg("start"));
+  m.def("int8_kv_available", &int8_kv_available, "whether this CPU attends over an int8 cache (AVX512-VNNI)");
+  m.def("int8_kv_revision", &int8_kv_revision, "the revision of the sequence of operations over an int8 cache");
+  m.def("quantize_kv", &quantize_kv, "k, v [T, KV, D] -> rows start.. of an int8 layer: codes and scales (causal_attention.cpp)",
+        arg("k"), arg("v"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"));
+  m.def("causal_attention_int8", &causal_attention_int8,
+        "causal_attention over an int8 layer (keys uint8 code + 128, values int8, scales [KV, L]) -> [T, H, D] in q's dtype",
+        arg("q"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"));
   m.def("decode_layers", &decode_layers, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
-        arg("sin"), arg("keys"), arg("values"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
+        arg("sin"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
         arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("our_attention"), arg("num_heads"), arg("num_kv_heads"),
         arg("head_dim"), arg("intermediate"), arg("eps"), arg("capture"));
