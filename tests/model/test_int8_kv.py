@@ -19,7 +19,7 @@ from dflash.engine.native import extension
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.quant import quantize_linears
 from dflash.engine.sampling import SamplingParams
-from dflash.engine.speculative import SpeculationConfig
+from tests.model.test_weight_formats import PROMPTS, assert_ngram_greedy_equals_plain_greedy
 from tests.model.tiny import ours_from_hf, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(extension() is None or not extension().int8_kv_available(),
@@ -172,19 +172,9 @@ def test_the_native_decode_loop_equals_the_python_layers(model, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(*results)), (start, rows)
 
 
-PROMPTS = [[5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_ngram_greedy_equals_plain_greedy(model, prompt):
-    def run(speculation):
-        engine = Engine(model, max_ctx=128, prefill_chunk=8, speculation=speculation)
-        generation = engine.start(prompt, SamplingParams(), max_tokens=32)
-        return generation.run(), generation.stats
-
-    plain, _ = run(SpeculationConfig(drafter="none"))
-    speculative, stats = run(SpeculationConfig(drafter="ngram", max_draft_tokens=7, ngram_min=1, ngram_max=3, adaptive=False))
-    assert speculative == plain and stats.verification_steps > 0
+    assert_ngram_greedy_equals_plain_greedy(model, prompt)
 
 
 def test_a_snapshot_restores_the_codes_and_scales_exactly(model):

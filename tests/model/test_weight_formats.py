@@ -92,10 +92,10 @@ def quantized(request, kernel_set):
 PROMPTS = [[5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 3, 5, 9, 33, 2], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_ngram_greedy_equals_plain_greedy_on_quantized_weights(quantized, prompt):
+def assert_ngram_greedy_equals_plain_greedy(model, prompt):
+    """Greedy n-gram speculation on `model` gives plain greedy decoding's tokens, and did verify."""
     def run(speculation):
-        engine = Engine(quantized, max_ctx=128, prefill_chunk=8, speculation=speculation)
+        engine = Engine(model, max_ctx=128, prefill_chunk=8, speculation=speculation)
         generation = engine.start(prompt, SamplingParams(), max_tokens=32)
         return generation.run(), generation.stats
 
@@ -103,6 +103,11 @@ def test_ngram_greedy_equals_plain_greedy_on_quantized_weights(quantized, prompt
     speculative, stats = run(SpeculationConfig(drafter="ngram", max_draft_tokens=7, ngram_min=1, ngram_max=3, adaptive=False))
     assert speculative == plain
     assert stats.verification_steps > 0
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ngram_greedy_equals_plain_greedy_on_quantized_weights(quantized, prompt):
+    assert_ngram_greedy_equals_plain_greedy(quantized, prompt)
 
 
 # Not fp32: MKL's fp32 GEMM computes a row differently with 1, 4 or 16 rows (README, Lossless).
