@@ -19,7 +19,8 @@ from dflash.engine.native import extension
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.quant import quantize_linears
 from dflash.engine.sampling import SamplingParams
-from tests.model.test_weight_formats import PROMPTS, assert_ngram_greedy_equals_plain_greedy
+from tests.model.test_weight_formats import (PROMPTS, assert_ngram_greedy_equals_plain_greedy,
+                                              assert_verified_rows_equal_decode_rows)
 from tests.model.tiny import ours_from_hf, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(extension() is None or not extension().int8_kv_available(),
@@ -130,17 +131,7 @@ def test_the_model_serves_an_int8_cache_named_as_such(model):
 
 
 def test_verified_rows_get_the_logits_of_decode_steps_bit_for_bit(model):
-    tokens = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(5))
-    kv = model.new_kv_cache(256)
-    for start in (0, 1, 31, 32, 63, 120, 190):
-        kv.length = 0
-        if start:
-            model(tokens[:start], 0, kv)
-        verified, _ = model(tokens[start : start + 8], start, kv, logits_positions=None)
-        for i in range(8):
-            kv.length = start + i
-            decoded, _ = model(tokens[start + i : start + i + 1], start + i, kv)
-            assert torch.equal(decoded[0], verified[i]), (start, i)
+    assert_verified_rows_equal_decode_rows(model, (0, 1, 31, 32, 63, 120, 190))
 
 
 def test_prefill_rows_equal_decode_rows_whatever_the_chunking(model):
