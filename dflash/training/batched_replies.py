@@ -16,7 +16,7 @@ reply is still the target's greedy choice under these roundings, which is what t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +35,13 @@ def _check_plain_weights(model) -> None:
 
 @torch.inference_mode()
 def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_ids: set[int],
-                   layer_ids: Sequence[int]) -> list[tuple[list[int], Tensor]]:
+                   layer_ids: Sequence[int], choose: Callable[[Tensor], Tensor] | None = None,
+                   rows_to_cpu: bool = True) -> list[tuple[list[int], Tensor]]:
     """Greedy replies to `prompts`, decoded as one batch. Per prompt: the output tokens (up to and
     including a stop token, at most `max_new`) and the rows [prompt + output - 1, len(layer_ids) * C]
-    of the given layers' outputs (the last output token is never fed back, as in the engine)."""
+    of the given layers' outputs (the last output token is never fed back, as in the engine).
+    `choose` maps the last logits [B, V] to tokens [B] instead of the argmax (sampled user turns,
+    at_scale.py); `rows_to_cpu=False` leaves the rows where the model runs."""
     _check_plain_weights(model)
     if max_new < 1:
         raise ValueError(f"a reply needs at least one token, got max_new={max_new}")
@@ -90,14 +93,16 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
     members = list(range(len(prompts)))  # the prompt of each batch row
     logits = forward(tokens, 0)
     for step in range(max_new):
-        chosen = logits.argmax(-1).cpu()
+        chosen = (logits.argmax(-1) if choose is None else choose(logits)).cpu()
         for row, b in enumerate(members):
             if results[b] is None:
                 outputs[b].append(int(chosen[row]))
                 if int(chosen[row]) in stop_ids or step == max_new - 1:
                     length = P - int(pads[row]) + len(outputs[b]) - 1
                     results[b] = (outputs[b], rows[:, row, int(pads[row]) : int(pads[row]) + length]
-                                  .permute(1, 0, 2).reshape(length, -1).cpu())
+                                  .permute(1, 0, 2).reshape(length, -1))
+                    if rows_to_cpu:
+                        results[b] = (results[b][0], results[b][1].cpu())
         live = [row for row, b in enumerate(members) if results[b] is None]
         if not live:
             break

@@ -3,10 +3,9 @@
 1. Data: the target answers each prompt greedily, the way it will be served, and the hidden states
    of the chosen target layers are recorded during that generation (a recorder rides along as the
    engine's drafter, so no second pass). Samples go to numbered shards; a rerun skips done prompts.
-2. Objective: blocks anchored at random response positions. Block b is [token a_b, MASK, ...] at
-   positions a_b..a_b+B-1; it sees the context rows before a_b plus its own rows, nothing else, so
-   one forward trains every block of a sample. Slot k (k >= 1) is scored by cross-entropy through
-   the frozen target LM head against token a_b+k, weighted exp(-(k-1)/gamma).
+2. Objective (objective.py): blocks anchored at random response positions, each seeing the
+   context before its anchor and itself; slot k scored by weighted cross-entropy through the
+   frozen target LM head. One sample a step.
 3. Output: a z-lab layout checkpoint (config.json + model.safetensors) the server loads by path.
 """
 
@@ -21,18 +20,17 @@ from typing import Iterable, Sequence
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.engine.drafters.dflash import (
     DFlashConfig,
-    DFlashDraftModel,
     build_target_layer_ids,
     random_draft_model,
     save_dflash_checkpoint,
 )
-from dflash.engine.model import apply_rope, has_bf16_hardware, rope_tables
+from dflash.engine.model import has_bf16_hardware
 from dflash.engine.sampling import SamplingParams
+from dflash.training.objective import acceptance_estimate, slot_loss, slot_weights, training_forward
 
 
 @attrs.frozen
@@ -305,56 +303,6 @@ def block_labels(sample: dict, anchors: list[int], block: int) -> Tensor:
     return labels
 
 
-def training_forward(draft: DFlashDraftModel, embed, rows: Tensor, tokens: Tensor, anchors: list[int], block: int,
-                     mask_token: int) -> Tensor:
-    """The drafter's final-normed outputs [N, B-1, H] for the masked slots of every block (the LM
-    head is applied by the caller, to the slots that have a label only: it is most of the cost)."""
-    c = draft.config
-    length = tokens.shape[0]
-    n = len(anchors)
-    starts = torch.tensor(anchors)
-    offsets = torch.arange(block)
-    positions = (starts[:, None] + offsets[None]).reshape(-1)  # [N*B]
-    block_ids = torch.full((n, block), mask_token, dtype=torch.long)
-    block_ids[:, 0] = tokens[starts]
-    # Keys: context rows 0..L-1 then all block rows; a block sees context before its anchor + itself.
-    context_pos = torch.arange(length)
-    allowed_context = context_pos[None, :] < starts.repeat_interleave(block)[:, None]  # [N*B, L]
-    own_block = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool)] * n)  # [N*B, N*B]
-    mask = torch.cat([allowed_context, own_block], dim=1)
-    cos, sin = rope_tables(draft.inv_freq.float(), max(length, int(positions.max()) + 1), 1.0, draft.dtype, rows.device)
-    context = draft.project_context(rows)  # [L, H]
-    x = embed(block_ids.reshape(-1)).to(draft.dtype)  # [N*B, H]
-    key_positions = torch.cat([context_pos, positions])
-    for layer in draft.layers:
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(h).view(-1, c.num_heads, c.head_dim))
-        q = apply_rope(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-        kv_input = torch.cat([context, h])
-        k = attn.k_norm(attn.k_proj(kv_input).view(-1, c.num_kv_heads, c.head_dim))
-        k = apply_rope(k, cos[key_positions].unsqueeze(1), sin[key_positions].unsqueeze(1))
-        v = attn.v_proj(kv_input).view(-1, c.num_kv_heads, c.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, enable_gqa=True,
-        )[0].transpose(0, 1).reshape(x.shape[0], -1)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return draft.norm(x).view(n, block, -1)[:, 1:]
-
-
-def slot_weights(block: int, gamma: float) -> Tensor:
-    return torch.tensor([math.exp(-(k - 1) / gamma) for k in range(1, block)])
-
-
-def acceptance_estimate(logits: Tensor, labels: Tensor) -> float:
-    """Mean tokens a verification would commit per block: 1 + the run of correct leading slots."""
-    correct = (logits.argmax(-1) == labels) & (labels >= 0)
-    run = torch.cumprod(correct.int(), dim=1).sum(dim=1).float()
-    return float(run.mean() + 1)
-
-
 def learning_rate(options: TrainOptions, step: int) -> float:
     """Linear warm-up, then cosine decay to zero."""
     warmup = int(options.warmup * options.steps)
@@ -362,15 +310,6 @@ def learning_rate(options: TrainOptions, step: int) -> float:
         return options.learning_rate * (step + 1) / warmup
     progress = (step - warmup) / max(options.steps - warmup, 1)
     return options.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def slot_loss(draft_out: Tensor, labels: Tensor, lm_head, weights: Tensor) -> Tensor:
-    """Weighted cross-entropy over the slots that have a label; the LM head runs on those rows only."""
-    valid = labels >= 0
-    logits = lm_head(draft_out[valid].to(lm_head.weight.dtype)).float()
-    per_slot = F.cross_entropy(logits, labels[valid], reduction="none")
-    slot_weight = weights[None, :].expand_as(labels)[valid]
-    return (per_slot * slot_weight).sum() / slot_weight.sum().clamp(min=1e-9)
 
 
 def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_token: int,
@@ -430,7 +369,7 @@ def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_tok
             group["lr"] = learning_rate(options, step)
         draft_out = training_forward(draft, embed, sample["rows"].float(), sample["tokens"], anchors,
                                      options.block_size, mask_token)
-        loss = slot_loss(draft_out, block_labels(sample, anchors, options.block_size), lm_head, weights)
+        loss = slot_loss(draft_out, block_labels(sample, anchors, options.block_size), lm_head.weight, weights)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

