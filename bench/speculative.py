@@ -27,11 +27,10 @@ from dflash.engine.drafters.dflash import (  # noqa: E402
     DFlashConfig,
     DFlashDrafter,
     build_target_layer_ids,
-    load_dflash_checkpoint,
     random_draft_model,
 )
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, load_model, serving_draft  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 from dflash.engine.speculative import SpeculationConfig  # noqa: E402
 from dflash.training.unseen import UNSEEN_PROMPTS  # noqa: E402
@@ -93,7 +92,7 @@ def main() -> None:
     engine = loaded.engine
     target = engine.model
     if args.draft:
-        draft = load_dflash_checkpoint(args.draft, getattr(torch, args.dtype))
+        draft = serving_draft(args.draft, args.dtype, loaded.weights)  # as the server runs it
     else:
         layers = target.args.num_layers
         draft = random_draft_model(

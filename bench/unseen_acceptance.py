@@ -16,11 +16,8 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.drafters.dflash import load_dflash_checkpoint  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, load_model, serving_draft  # noqa: E402
 from dflash.training.unseen import (  # noqa: E402
     UNSEEN_PROMPTS,
     acceptance_length,
@@ -45,7 +42,7 @@ def main() -> None:
     print("|---" * (len(UNSEEN_PROMPTS) + 2) + "|")
     slots = []
     for folder in args.drafters:
-        draft = load_dflash_checkpoint(folder, getattr(torch, loaded.dtype))
+        draft = serving_draft(folder, loaded.dtype, loaded.weights)  # int8 linears on a quantized target
         verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens)
         taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
         mean = sum(taus.values()) / len(taus)

@@ -42,7 +42,14 @@ from dflash.engine.model import (
     with_rope_scaling,
 )
 from dflash.engine.native import extension as native_extension
-from dflash.engine.quant import WEIGHT_FORMATS, auto_weights, dtype_for_weights, kernels_description, quantize_linears
+from dflash.engine.quant import (
+    WEIGHT_FORMATS,
+    auto_weights,
+    dtype_for_weights,
+    kernels_description,
+    quantize_draft_linears,
+    quantize_linears,
+)
 from dflash.engine.quant import kernels as quant_kernels
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
@@ -169,7 +176,7 @@ def load_model(
     if draft_model and speculation.drafter in ("auto", "dflash"):
         if backend != "native":
             raise ModelLoadError("the DFlash drafter needs the built-in decoder; this model runs on transformers")
-        draft = load_dflash_checkpoint(Path(draft_model).expanduser(), DTYPES[dtype])
+        draft = serving_draft(draft_model, dtype, weights)
         drafter = DFlashDrafter(draft, model, max_ctx)
         speculation = attrs.evolve(
             speculation, max_draft_tokens=min(speculation.max_draft_tokens, draft.config.block_size - 1)
@@ -364,6 +371,15 @@ def prompt_compressor(settings: CompressionSettings, model, backend: str, cache:
         raise ModelLoadError(f"scorer {settings.scorer!r}: the model has only {scorer_model.args.num_layers} layers")
     return PromptCompressor(settings, AttentionScorer(scorer_model, layers, lookahead=settings.lookahead,
                                                       pre_rope=settings.pre_rope, window=settings.scorer_window))
+
+
+def serving_draft(folder: str | os.PathLike, dtype: str, weights: str):
+    """A DFlash checkpoint as the server runs it: in the activations' dtype, and its linears in int8
+    where the target's weights are quantized (quant.quantize_draft_linears says why)."""
+    draft = load_dflash_checkpoint(Path(folder).expanduser(), DTYPES[dtype])
+    if weights in ("int8", "int4"):
+        quantize_draft_linears(draft)
+    return draft
 
 
 def resolve_source(source: str, cache: Path) -> tuple[str, Path]:

@@ -116,3 +116,34 @@ def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedd
     draft = load_dflash_checkpoint(out / "drafter")
     assert draft.config.num_layers == 1 and draft.config.mask_token_id == 16
     assert list(draft.config.target_layer_ids) == [1, 10, 18, 27]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_shipped_drafter_served_on_quantized_weights_drafts_through_int8_and_stays_lossless(embedded_gguf, weights):
+    """On int8/int4 targets the server runs the drafter's linears in int8 (quant.quantize_draft_linears);
+    greedy output is still plain greedy output, and the drafter still gets most of its drafts accepted."""
+    from dflash.chat.template import render_prompt
+    from dflash.engine.loading import load_model
+    from dflash.engine.quant import Int8Linear
+    from dflash.engine.sampling import SamplingParams
+    from dflash.engine.speculative import SpeculationConfig
+    from dflash.training.unseen import UNSEEN_PROMPTS
+
+    loaded = load_model("embedded:smollm2-135m-instruct", weights=weights, max_ctx=1024, threads=2,
+                        draft_model="auto", speculation=SpeculationConfig(drafter="dflash", max_draft_tokens=7, adaptive=False))
+    engine = loaded.engine
+    draft = engine.dflash_drafter.draft
+    assert draft.config.num_layers == 3
+    linears = (draft.fc, draft.layers[0].self_attn.q_proj, draft.layers[2].mlp.down_proj)
+    assert all(isinstance(m, Int8Linear) for m in linears)
+    prompt = render_prompt(loaded.tokenizer, UNSEEN_PROMPTS["coding"][1])
+    speculative = engine.start(prompt, SamplingParams(), 48)
+    out = speculative.run()
+    stats = speculative.stats
+    engine.rollback(0)
+    speculation, engine.speculation = engine.speculation, SpeculationConfig()
+    plain = engine.start(prompt, SamplingParams(), 48).run()
+    engine.speculation = speculation
+    assert out == plain
+    assert stats.verification_steps > 0
+    assert (stats.accepted_tokens + stats.verification_steps) / stats.verification_steps > 2.0

@@ -170,7 +170,7 @@ class DFlashDraftModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype  # a norm: the linears may be quantized (quant.quantize_draft_linears)
 
     def project_context(self, target_hidden: Tensor) -> Tensor:
         """[S, K*H] concatenated target layers -> [S, H] context features."""
@@ -216,7 +216,7 @@ class DFlashDrafter:
         self.draft = draft
         self.target = target
         self.capture_layers = tuple(c.target_layer_ids)
-        device = draft.fc.weight.device
+        device = draft.norm.weight.device
         kv_dtype = torch.float32 if device.type == "cpu" else draft.dtype
         self.kv = KVCache(c.num_layers, c.num_kv_heads, max_ctx + c.block_size, c.head_dim, kv_dtype, device)
         cos, sin = rope_tables(draft.inv_freq.float(), max_ctx + c.block_size, 1.0, draft.dtype, device)
@@ -271,7 +271,8 @@ class DFlashDrafter:
         out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
         # Slot 0 is the known pending token; slots 1.. predict the tokens at their own positions.
         logits = self.target.lm_head(out[1:].to(self.target.dtype))
-        return logits.argmax(dim=-1).tolist()
+        # fp32 first: torch's argmax over bf16 rows cost ~0.9 ms for 7 x 49152 (the same indices).
+        return logits.float().argmax(dim=-1).tolist()
 
 
 def load_dflash_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
