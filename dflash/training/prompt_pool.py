@@ -148,8 +148,7 @@ _SITUATION_ASKS = ["How should I deal with {}?", "What are some practical steps 
 _FORMS = ["a short poem", "a haiku", "a limerick", "a short story", "a six-word story", "a song chorus",
           "a short letter", "a postcard message", "a diary entry", "a product review", "a short speech",
           "a fairy tale opening", "a news headline and first paragraph", "a riddle", "a tongue twister",
-          "a motivational quote", "a short dialogue", "a bedtime story", "a acrostic poem", "a sonnet"]
-_FORMS[18] = "an acrostic poem"
+          "a motivational quote", "a short dialogue", "a bedtime story", "an acrostic poem", "a sonnet"]
 _SUBJECTS = ["a lighthouse in a storm", "the first day of spring", "a lost umbrella", "a cat watching the rain",
              "an old bicycle", "a busy train station", "the smell of fresh bread", "a forgotten library book",
              "a snowy mountain village", "a grandmother's garden", "a robot learning to paint", "a summer festival",
