@@ -374,9 +374,10 @@ def prompt_compressor(settings: CompressionSettings, model, backend: str, cache:
 
 
 def serving_draft(folder: str | os.PathLike, dtype: str, weights: str):
-    """A DFlash checkpoint as the server runs it: in the activations' dtype, and its linears in int8
-    where the target's weights are quantized (quant.quantize_draft_linears says why)."""
-    draft = load_dflash_checkpoint(Path(folder).expanduser(), DTYPES[dtype])
+    """A DFlash checkpoint as the server runs it: in the activations' dtype, its projections fused
+    (DFlashDraftModel.fuse_projections), and its linears in int8 where the target's weights are
+    quantized (quant.quantize_draft_linears says why)."""
+    draft = load_dflash_checkpoint(Path(folder).expanduser(), DTYPES[dtype]).fuse_projections()
     if weights in ("int8", "int4"):
         quantize_draft_linears(draft)
     return draft

@@ -16,6 +16,7 @@ from dflash.engine.drafters.dflash import (
     save_dflash_checkpoint,
 )
 from dflash.engine.generate import Engine
+from dflash.engine.model import rope_tables
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
 from tests.model.tiny import ours_from_hf, tiny_hf_model
@@ -127,3 +128,28 @@ def test_drafter_context_is_restored_with_a_prefix_cache_hit(target):
     assert generation.stats.cached_tokens == len(prompt)
     assert generation.run() == plain
     assert generation.stats.draft_tokens > 0  # the drafter had its context back at once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_propose_what_the_checkpoint_layout_proposes(target, dtype):
+    """Serving fuses each layer's k/v and gate/up projections (fewer calls a proposal); the fused
+    drafter's outputs are the unfused ones (bit for bit in fp32, where the sums are the same)."""
+    def hidden(tokens):
+        _, rows = target(torch.tensor(tokens), 0, target.new_kv_cache(64), capture_layers=(0, 2))
+        return [r.to(dtype) for r in rows]
+
+    ids = [5, 9, 33, 2, 7, 100, 4, 61, 12]
+    plain = random_draft_model(tiny_config(block_size=6), seed=4, dtype=dtype)
+    fused = random_draft_model(tiny_config(block_size=6), seed=4, dtype=dtype).fuse_projections()
+    assert "kv_proj" in fused.layers[0].self_attn._modules and "k_proj" not in fused.layers[0].self_attn._modules
+    assert "gate_up_proj" in fused.layers[1].mlp._modules
+    kv = [DFlashDrafter(model, target, 64).kv for model in (plain, fused)]
+    cos, sin = rope_tables(plain.inv_freq.float(), 64, 1.0, dtype, "cpu")
+    block = target.embed(torch.tensor([11, 127, 127, 127, 127, 127])).to(dtype)
+    for start, end in ((0, 5), (5, 9)):  # a first proposal, then one with more context
+        outs = [model(model.project_context(torch.cat(hidden(ids), -1)[start:end]), block, cache,
+                      cos.unsqueeze(1), sin.unsqueeze(1)) for model, cache in zip((plain, fused), kv)]
+        if dtype == torch.float32:
+            torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+        else:
+            torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
