@@ -186,7 +186,7 @@ def generate_replies(model, store: ReplyStore, prompts: Sequence[Sequence[int]],
     return done
 
 
-# -- the objective, batched ----------------------------------------------------------------------
+# -- training batches (the objective itself: objective.py) -------------------------------------
 
 def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, block: int, generator: torch.Generator
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
