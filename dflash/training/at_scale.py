@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.engine.drafters.dflash import random_draft_model, save_dflash_checkpoint
+from dflash.engine.drafters.dflash import load_dflash_checkpoint, random_draft_model, save_dflash_checkpoint
 from dflash.training.objective import acceptance_estimate, batched_training_forward, slot_loss, slot_weights
 from dflash.training.train_drafter import draft_config
 
@@ -322,6 +322,19 @@ def run(args: argparse.Namespace) -> dict:
     mask_token = meta["mask_token_id"]
     eos_ids = set(meta["eos_ids"])
 
+    dconfig = draft_config(a, args.layers, args.block_size, layer_ids, mask_token)
+    if args.init_from:
+        # Continue a drafter (the shipped one's curve was still rising when its run ended): its
+        # shape must be the one asked for, since the data's rows are of these layers. Checked
+        # before any data is made.
+        draft = load_dflash_checkpoint(Path(args.init_from), torch.float32)
+        if draft.config != dconfig:
+            raise SystemExit(f"--init-from {args.init_from} is a drafter of {draft.config}, not of {dconfig}: "
+                             "pass its --layers, --block-size and --target-layer-ids")
+        log(f"training continues from {args.init_from}")
+    else:
+        draft = random_draft_model(dconfig, seed=args.seed, dtype=torch.float32)
+
     # 1. sampled user turns
     stage_end = began + args.seconds * args.user_share
     sampled = guarded(log, "user turns", lambda: sampled_user_turns(
@@ -351,8 +364,7 @@ def run(args: argparse.Namespace) -> dict:
         f"per kind {tally}")
 
     # 3. training
-    dconfig = draft_config(a, args.layers, args.block_size, layer_ids, mask_token)
-    draft = random_draft_model(dconfig, seed=args.seed, dtype=torch.float32).to(device).train()
+    draft = draft.to(device).train()
     head = target.lm_head.weight
     stage_start = time.perf_counter()
     stage_seconds = max(began + args.seconds - args.save_seconds - stage_start, 1.0)
@@ -371,6 +383,7 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": round(time.perf_counter() - began, 1), "training_seconds": round(time.perf_counter() - stage_start, 1),
         "steps": step, "sequences_per_step": args.sequences, "anchors": args.anchors, "layers": args.layers,
         "block_size": args.block_size, "learning_rate": args.learning_rate, "gamma": args.gamma,
+        "init_from": args.init_from,
         "target_layer_ids": list(layer_ids), "mask_token_id": mask_token, "target_dtype": "bfloat16 (from the GGUF)",
         "prompts_rendered": len(prompts), "sampled_user_turns": len(sampled), "replies": len(indices),
         "replies_per_kind": tally, "reply_tokens": store.reply_tokens(), "stored_tokens": store.used,
@@ -411,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--target-layer-ids", default="1,10,18,27")
     r.add_argument("--sequences", type=int, default=32, help="replies per training step")
     r.add_argument("--anchors", type=int, default=128, help="blocks per reply per step")
+    r.add_argument("--init-from", help="a drafter folder to continue training (default: random weights)")
     r.add_argument("--learning-rate", type=float, default=6e-4)
     r.add_argument("--warmup", type=float, default=0.04)
     r.add_argument("--gamma", type=float, default=4.0)

@@ -117,6 +117,16 @@ def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedd
     assert draft.config.num_layers == 1 and draft.config.mask_token_id == 16
     assert list(draft.config.target_layer_ids) == [1, 10, 18, 27]
 
+    # A later sitting continues that drafter; one of another shape is refused before any data is made.
+    small = ["--gguf", str(embedded_gguf), "--prompts", str(prompts), "--device", "cpu", "--seconds", "600",
+             "--sampled-prompts", "0", "--batch", "8", "--prompt-limit", "8", "--tokens", "8", "--store-tokens", "5000",
+             "--held-out", "2", "--sequences", "2", "--anchors", "4", "--steps", "2", "--eval-every", "1000"]
+    main(["run", *small, "--out", str(tmp_path / "again"), "--layers", "1", "--init-from", str(out / "drafter")])
+    again = json.loads((tmp_path / "again" / "drafter" / "training.json").read_text())
+    assert again["init_from"] == str(out / "drafter") and again["steps"] == 2
+    with pytest.raises(SystemExit, match="num_layers=1.*num_layers=2"):
+        main(["run", *small, "--out", str(tmp_path / "wrong"), "--layers", "2", "--init-from", str(out / "drafter")])
+
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_the_shipped_drafter_served_on_quantized_weights_drafts_through_int8_and_stays_lossless(embedded_gguf, weights):
