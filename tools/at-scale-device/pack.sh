@@ -4,7 +4,7 @@
 # embedded model's GGUF, xz-compressed and split into as many parts as calls need (each call also
 # carries the repository), the rendered prompt pool, the two wheels that machine lacks (gguf,
 # structlog) and the model's tensor shapes for the smoke run. Run from the repository root after
-# `make install`, with /.xfer/ in .git/info/exclude; writes .xfer/1 .. .xfer/N and prints the calls:
+# `make install` (.gitignore holds /.xfer/); writes .xfer/1 .. .xfer/N and prints the calls:
 # one per part, in a row (the machine stays warm 30 s between calls and keeps /tmp/keep).
 # README, "The at-scale recipe", has the run these made.
 set -euo pipefail
