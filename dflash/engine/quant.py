@@ -198,10 +198,10 @@ def quantize_draft_linears(draft: nn.Module) -> None:
     cost ~200 us a call on an AVX512-BF16 CPU without AMX (5.6 of a 3-layer proposal's 11.7 ms,
     README); the int8-dot kernels read a quarter of the bytes. Proposals stay proposals: the
     target verifies every token, so this changes what is accepted, never what is output."""
-    for name, module in list(draft.named_modules()):
-        for child_name, child in list(module.named_children()):
+    for module in list(draft.modules()):
+        for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear(child.weight, child.bias))
+                setattr(module, name, Int8Linear(child.weight, child.bias))
 
 
 def quantize_linears(model: nn.Module, weights: str) -> None:

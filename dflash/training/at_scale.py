@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import lzma
-import math
 import random
 import time
 from pathlib import Path
@@ -36,9 +35,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.engine.drafters.dflash import load_dflash_checkpoint, random_draft_model, save_dflash_checkpoint
-from dflash.training.objective import acceptance_estimate, batched_training_forward, slot_loss, slot_weights
+from dflash.training.objective import (
+    acceptance_estimate,
+    batched_training_forward,
+    slot_loss,
+    slot_weights,
+    warmup_cosine,
+)
 from dflash.training.train_drafter import draft_config
 
+# prompt_pool.KINDS, then this run's own two (not imported: `run` must not need the chat package's
+# imports on the accelerator machine; tests/model/test_at_scale.py checks they agree).
 KINDS = ("chat", "coding", "code editing", "tool use", "sampled chat", "built-in")
 
 
@@ -126,9 +133,9 @@ class ReplyStore:
     def full(self) -> float:
         return self.used / self.tokens.shape[0]
 
-    def reply_tokens(self, indices: Sequence[int] | None = None) -> int:
-        indices = range(len(self.starts)) if indices is None else indices
-        return sum(self.lengths[i] - self.reply_starts[i] + 1 for i in indices)
+    def reply_tokens(self) -> int:
+        """Reply tokens the target generated (a stored reply lacks its last, which has no successor)."""
+        return sum(length - start + 1 for length, start in zip(self.lengths, self.reply_starts))
 
 
 def sampler(temperature: float, top_p: float, generator: torch.Generator):
@@ -264,11 +271,8 @@ def train_stage(draft, embed, head: Tensor, store: ReplyStore, train_indices: Se
     while (elapsed := time.perf_counter() - stage_start) < stage_seconds and (
             not args.steps or progress["step"] < args.steps):
         done = elapsed / stage_seconds if not args.steps else progress["step"] / args.steps
-        warm = args.warmup
-        lr = args.learning_rate * (done / warm if done < warm
-                                   else 0.5 * (1 + math.cos(math.pi * (done - warm) / (1 - warm))))
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = warmup_cosine(args.learning_rate, done, args.warmup)
         picks = torch.randint(len(train_indices), (args.sequences,), generator=generator, device=device).tolist()
         rows, tokens, lengths, anchors, labels = training_batch(store, [train_indices[i] for i in picks], args.anchors,
                                                                 args.block_size, generator)

@@ -99,10 +99,8 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
                 outputs[b].append(int(chosen[row]))
                 if int(chosen[row]) in stop_ids or step == max_new - 1:
                     length = P - int(pads[row]) + len(outputs[b]) - 1
-                    results[b] = (outputs[b], rows[:, row, int(pads[row]) : int(pads[row]) + length]
-                                  .permute(1, 0, 2).reshape(length, -1))
-                    if rows_to_cpu:
-                        results[b] = (results[b][0], results[b][1].cpu())
+                    kept = rows[:, row, int(pads[row]) : int(pads[row]) + length].permute(1, 0, 2).reshape(length, -1)
+                    results[b] = (outputs[b], kept.cpu() if rows_to_cpu else kept)
         live = [row for row, b in enumerate(members) if results[b] is None]
         if not live:
             break

@@ -72,6 +72,14 @@ def training_forward(draft: DFlashDraftModel, embed, rows: Tensor, tokens: Tenso
                                     torch.tensor([anchors], device=tokens.device), block, mask_token)[0]
 
 
+def warmup_cosine(peak: float, done: float, warmup: float) -> float:
+    """The learning rate when a share `done` of training is done (of its steps, or of its time):
+    a linear warm-up over the first `warmup` share, then a cosine decay to zero."""
+    if done < warmup:
+        return peak * done / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (done - warmup) / max(1.0 - warmup, 1e-9)))
+
+
 def slot_weights(block: int, gamma: float) -> Tensor:
     return torch.tensor([math.exp(-(k - 1) / gamma) for k in range(1, block)])
 

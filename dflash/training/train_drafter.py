@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from dflash.engine.drafters.dflash import (
 )
 from dflash.engine.model import has_bf16_hardware
 from dflash.engine.sampling import SamplingParams
-from dflash.training.objective import acceptance_estimate, slot_loss, slot_weights, training_forward
+from dflash.training.objective import acceptance_estimate, slot_loss, slot_weights, training_forward, warmup_cosine
 
 
 @attrs.frozen
@@ -304,12 +303,10 @@ def block_labels(sample: dict, anchors: list[int], block: int) -> Tensor:
 
 
 def learning_rate(options: TrainOptions, step: int) -> float:
-    """Linear warm-up, then cosine decay to zero."""
+    """Linear warm-up over whole steps (the first step already above zero), then cosine decay to zero."""
     warmup = int(options.warmup * options.steps)
-    if step < warmup:
-        return options.learning_rate * (step + 1) / warmup
-    progress = (step - warmup) / max(options.steps - warmup, 1)
-    return options.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))
+    done = (step + 1 if step < warmup else step) / options.steps
+    return warmup_cosine(options.learning_rate, done, warmup / options.steps)
 
 
 def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_token: int,

@@ -50,6 +50,12 @@ def test_every_training_block_computes_what_the_drafter_computes_at_inference():
             torch.testing.assert_close(batched[s, n], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_runs_kinds_extend_the_prompt_pools():
+    from dflash.training import at_scale, prompt_pool
+
+    assert at_scale.KINDS[: len(prompt_pool.KINDS)] == prompt_pool.KINDS
+
+
 def test_training_batches_anchor_only_reply_positions_with_their_following_tokens():
     from dflash.training.at_scale import ReplyStore, training_batch
 
