@@ -57,9 +57,7 @@ def _q4_1(raw: np.ndarray, count: int) -> Tensor:
 def _dequantize(tensor: Any) -> Tensor:
     kind = tensor.tensor_type.name
     count = int(tensor.n_elements)
-    if kind == "F32":
-        flat = torch.from_numpy(np.ascontiguousarray(tensor.data).astype(np.float32).reshape(-1))
-    elif kind == "F16":
+    if kind in ("F32", "F16"):
         flat = torch.from_numpy(np.ascontiguousarray(tensor.data).astype(np.float32).reshape(-1))
     elif kind == "Q8_0":
         flat = _q8_0(tensor.data, count)

@@ -195,8 +195,8 @@ class Int4Linear(QuantizedLinear):
 def quantize_draft_linears(draft: nn.Module) -> None:
     """Every linear of a DFlash drafter (drafters/dflash.py) to int8, in place, for a target served
     in int8 or int4. A proposal runs 8 rows through each draft layer, where torch's bf16 matmuls
-    cost ~200 us a call on an AVX512-BF16 CPU without AMX (5.6 of a 3-layer proposal's 11.7 ms,
-    README); the int8-dot kernels read a quarter of the bytes. Proposals stay proposals: the
+    cost ~200 us a call on an AVX512-BF16 CPU without AMX (Zen 4; a throwaway profile); the int8-dot
+    kernels read a quarter of the bytes (`bench/propose.py` times the proposal both ways). Proposals stay proposals: the
     target verifies every token, so this changes what is accepted, never what is output."""
     for module in list(draft.modules()):
         for name, child in list(module.named_children()):

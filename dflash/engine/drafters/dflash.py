@@ -194,8 +194,9 @@ class DFlashDraftModel(nn.Module):
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
 
     def fuse_projections(self) -> "DFlashDraftModel":
-        """For serving: each layer's k/v and gate/up projections as one linear each (5 calls a
-        layer instead of 7 in a proposal). Training and checkpoints use the unfused layout."""
+        """For serving: each layer's k/v and gate/up projections as one linear each, so a proposal
+        makes 5 linear calls a layer instead of 9 (with the context rows projected with the block,
+        DraftAttention.forward). Training and checkpoints use the unfused layout."""
         for layer in self.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
@@ -304,7 +305,8 @@ class DFlashDrafter:
         out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
         # Slot 0 is the known pending token; slots 1.. predict the tokens at their own positions.
         logits = self.target.lm_head(out[1:].to(self.target.dtype))
-        # fp32 first: torch's argmax over bf16 rows cost ~0.9 ms for 7 x 49152 (the same indices).
+        # fp32 first: torch's argmax over bf16 rows cost ~0.75 ms for 7 x 49152 on Zen 4 (AVX512-BF16),
+        # 0.25 ms with the conversion (the same indices).
         return logits.float().argmax(dim=-1).tolist()
 
 
