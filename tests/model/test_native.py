@@ -2,6 +2,7 @@
 architecture flag (qkv bias, q/k norm, GQA) and weight format, for decode steps and verification
 blocks, captured hidden states included. Skipped where it was not built (`make install` builds it)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,10 +34,39 @@ def test_native_layers_equal_the_python_layers_bit_for_bit(architecture, weights
     model(tokens[:100], 0, kv)
     state = (kv.keys.clone(), kv.values.clone())
     for start, rows in ((100, 1), (95, 8), (60, 5)):
+        calls = extension().layers_without_aten_calls()
         native = run(model, tokens, start, state, rows)
+        # int8/int4 on our kernels and attention (bf16 cache) take the loop without ATen calls
+        fast = weights in ("int8", "int4") and model_module.attention_kernels() == "ours" and extension().int8dot_available()
+        assert extension().layers_without_aten_calls() == calls + int(fast)
         with monkeypatch.context() as patch:
             patch.setattr(model_module, "native_extension", lambda: None)
             python = run(model, tokens, start, state, rows)
         assert torch.equal(native[0], python[0])
         assert all(torch.equal(a, b) for a, b in zip(native[1], python[1])) and len(native[1]) == 2
         assert torch.equal(native[2], python[2])
+
+
+@pytest.mark.parametrize("width", [576, 100, 64])
+def test_native_rms_norm_takes_its_fixed_sequence(width):
+    """rms_norm's bf16 rows (8 lanes where the CPU has AVX2) are the documented sequence, bit for bit:
+    sums of squares in 8 fp32 lanes (c mod 8) in order, one tree, 1/sqrt(mean + eps), then
+    bf16(weight * bf16(x * inverse)). The Python path calls the same function, so the comparison of
+    the two loops above cannot see a change here."""
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(5, width, generator=generator) * 3).bfloat16()
+    weight = torch.randn(width, generator=generator).bfloat16()
+    eps = 1e-5
+    expected = []
+    for row in x.float():
+        padded = torch.cat([row, torch.zeros(-width % 8)]).view(-1, 8)
+        lanes = torch.zeros(8)
+        for block in padded:
+            lanes = lanes + block * block
+        p = lanes.tolist()
+        f = np.float32
+        total = (f(p[0]) + f(p[1]) + (f(p[2]) + f(p[3]))) + ((f(p[4]) + f(p[5])) + (f(p[6]) + f(p[7])))
+        inverse = f(1.0) / np.sqrt(f(total) / f(width) + f(eps))
+        normed = (row * torch.tensor(inverse, dtype=torch.float32)).bfloat16().float()
+        expected.append((weight.float() * normed).bfloat16())
+    assert torch.equal(extension().rms_norm(x, weight, eps), torch.stack(expected))

@@ -1104,3 +1104,21 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
   else run(float{}, float{});
   return out;
 }
+
+// causal_attention over a bf16 cache on raw rows, for decode_layers' loop without ATen calls (its
+// caller checked the shapes once): q [T, H, D] bf16 contiguous, a layer's keys and values [KV, L, D]
+// with heads head_stride apart, out [T, H, D] bf16. The same calls as causal_attention, so the same bits.
+void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int64_t D, const at::BFloat16* keys,
+                                const at::BFloat16* values, int64_t KV, int64_t L, int64_t head_stride, int64_t start,
+                                at::BFloat16* out) {
+  if (T == 0) return;
+  const Rows<at::BFloat16> rows{q, start, T, H / KV, H, D, 1.0f / std::sqrt(float(D))};
+  const bool bf16_values = bf16_values_chosen();
+  switch (D) {
+    case 16: attend<16>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
+    case 32: attend<32>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
+    case 64: attend<64>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
+    case 128: attend<128>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
+    default: attend<256>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
+  }
+}

@@ -8,10 +8,15 @@
 
 #include "step_pool.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // quantized_linear.cpp
@@ -21,10 +26,15 @@ bool int8dot_available();
 std::string int8dot_isa(int64_t rows);
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+void quantized_matmul_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, int64_t N,
+                           bool int4, at::BFloat16* y);
 // causal_attention.cpp
 bool causal_attention_available();
 std::string causal_attention_isa();
 int64_t causal_attention_revision();
+void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int64_t D, const at::BFloat16* keys,
+                                const at::BFloat16* values, int64_t KV, int64_t L, int64_t head_stride, int64_t start,
+                                at::BFloat16* out);
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
 bool int8_kv_available();
 int64_t int8_kv_revision();
@@ -64,11 +74,100 @@ struct Linear {
   }
 };
 
+// ---- bf16 rows on 8 lanes (AVX2) -------------------------------------------------------------
+//
+// The elementwise steps of a layer (norms, rope, residual adds, SiLU's product) on bf16 rows, 8
+// values at a time: each value takes the scalar code's exact operations (an fp32 product or sum,
+// rounded to bf16 to nearest even, NaN to 0x7FC0 as c10::BFloat16 does), so the same bits. "avx2"
+// without "fma": gcc may not fuse a product and a sum that the scalar code rounds apart. Scalar,
+// they held up a verification's other thread for a fifth of the step (perf, 8 rows, 2 threads).
+#define BF16_LANES_TARGET __attribute__((target("avx2")))
+
+bool bf16_lanes_available() {
+  static const bool available = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_supports("avx2"));
+  }();
+  return available;
+}
+
+BF16_LANES_TARGET inline __m256 load_bf16x8(const at::BFloat16* p) {  // exact: bf16 is fp32's top half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+BF16_LANES_TARGET inline __m256i bf16_bits(__m256 v) {  // c10::BFloat16(float)'s bits, one per 32-bit lane
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+BF16_LANES_TARGET inline __m256 round_bf16(__m256 v) {  // float(bf16(v))
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+}
+
+BF16_LANES_TARGET inline void store_bf16x8(at::BFloat16* out, __m256 v) {
+  const __m256i bits = bf16_bits(v);  // 0..0xFFFF: packus saturates nothing
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+// rms_norm_rows for bf16: partial[i] (the sums of squares over c = i mod 8) is lane i.
+BF16_LANES_TARGET void rms_norm_bf16_lanes(const at::BFloat16* x, const at::BFloat16* weight, at::BFloat16* out, int64_t rows,
+                                           int64_t C, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* in = x + r * C;
+    __m256 lanes = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+      const __m256 v = load_bf16x8(in + c);
+      lanes = _mm256_add_ps(lanes, _mm256_mul_ps(v, v));
+    }
+    alignas(32) float partial[8];
+    _mm256_store_ps(partial, lanes);
+    for (; c < C; ++c) partial[c % 8] += float(in[c]) * float(in[c]);
+    float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+    const float inverse = 1.0f / std::sqrt(sum / float(C) + eps);
+    at::BFloat16* o = out + r * C;
+    for (c = 0; c + 8 <= C; c += 8) {
+      const __m256 normed = round_bf16(_mm256_mul_ps(load_bf16x8(in + c), _mm256_set1_ps(inverse)));
+      store_bf16x8(o + c, _mm256_mul_ps(load_bf16x8(weight + c), normed));
+    }
+    for (; c < C; ++c) o[c] = at::BFloat16(float(weight[c]) * float(at::BFloat16(float(in[c]) * inverse)));
+  }
+}
+
+// rope_row for bf16 (D a multiple of 16, so each 8 values sit in one half of the row).
+BF16_LANES_TARGET void rope_bf16_lanes(const at::BFloat16* xr, const at::BFloat16* ct, const at::BFloat16* st, at::BFloat16* orow,
+                                       int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 rotated = load_bf16x8(xr + (d < half ? d + half : d - half));
+    const __m256 a = round_bf16(_mm256_mul_ps(load_bf16x8(xr + d), load_bf16x8(ct + d)));
+    const __m256 b = round_bf16(_mm256_mul_ps(rotated, load_bf16x8(st + d)));
+    store_bf16x8(orow + d, _mm256_add_ps(a, b));
+  }
+}
+
+// out = bf16(float(a) op float(b)) over n values (torch's bf16 add and mul).
+template <bool kProduct>
+BF16_LANES_TARGET void combine_bf16_lanes(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = load_bf16x8(a + i), y = load_bf16x8(b + i);
+    store_bf16x8(out + i, kProduct ? _mm256_mul_ps(x, y) : _mm256_add_ps(x, y));
+  }
+  for (; i < n; ++i) out[i] = at::BFloat16(kProduct ? float(a[i]) * float(b[i]) : float(a[i]) + float(b[i]));
+}
+
 // model.RMSNorm over the last dimension, row by row in one fixed order (so a row's result does not
 // depend on the other rows): normed = dtype(x * 1/sqrt(mean(x^2) + eps)) in fp32, out = dtype(weight * normed).
 // torch's rms_norm costs ~30 us per call here (it runs as a chain of ops), a decode step makes 61.
 template <typename T>
 void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t C, float eps) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (bf16_lanes_available()) return rms_norm_bf16_lanes(x, weight, out, rows, C, eps);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const T* in = x + r * C;
     float partial[8] = {};
@@ -104,21 +203,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // ~4 us here, 30-60 a step): each product and the sum rounded to x's dtype, as torch's eager ops
 // round them (bf16: computed in fp32, rounded to nearest even), so the same bits.
 template <typename T>
+void rope_row(const T* xr, const T* ct, const T* st, T* orow, int64_t D) {  // one head's row of D
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (D % 16 == 0 && bf16_lanes_available()) return rope_bf16_lanes(xr, ct, st, orow, D);
+  }
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const T rotated = xr[d < half ? d + half : d - half];
+    orow[d] = T(float(T(float(xr[d]) * float(ct[d]))) + float(T(float(rotated) * float(st[d]))));
+  }
+}
+
+template <typename T>
 void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
-  const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2);
   const T* in = x.data_ptr<T>();
   const T *c = cos.data_ptr<T>(), *s = sin.data_ptr<T>();
   T* o = out.data_ptr<T>();
   for (int64_t t = 0; t < rows; ++t) {
-    const T* ct = c + t * cos.stride(0);
-    const T* st = s + t * sin.stride(0);
     for (int64_t h = 0; h < heads; ++h) {
-      const T* xr = in + t * x.stride(0) + h * x.stride(1);
-      T* orow = o + (t * heads + h) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const T rotated = xr[d < half ? d + half : d - half];
-        orow[d] = T(float(T(float(xr[d]) * float(ct[d]))) + float(T(float(rotated) * float(st[d]))));
-      }
+      rope_row(in + t * x.stride(0) + h * x.stride(1), c + t * cos.stride(0), s + t * sin.stride(0), o + (t * heads + h) * D, D);
     }
   }
 }
@@ -142,6 +246,148 @@ at::Tensor grouped_query_attention(const at::Tensor& q, const at::Tensor& keys, 
   auto rows = q.view({T, KV, G, D}).permute({1, 2, 0, 3}).reshape({KV, G * T, D});
   auto out = at::scaled_dot_product_attention(rows.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask);
   return out.select(0, 0).view({KV, G, T, D}).permute({2, 0, 1, 3});
+}
+
+int64_t layers_without_aten_calls = 0;  // how many calls took layers_without_aten (tests read it)
+
+// out = a + b over n bf16 values, as torch's bf16 add computes it: in fp32, rounded to nearest even.
+void add_rows(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) {
+  if (bf16_lanes_available()) return combine_bf16_lanes<false>(a, b, out, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = at::BFloat16(float(a[i]) + float(b[i]));
+}
+
+// out = a * b over n bf16 values, as torch's bf16 mul.
+void multiply_rows(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) {
+  if (bf16_lanes_available()) return combine_bf16_lanes<true>(a, b, out, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = at::BFloat16(float(a[i]) * float(b[i]));
+}
+
+// A thread's scratch rows, grown and never shrunk (one decode or verification at a time per thread).
+at::BFloat16* scratch_rows(int64_t count) {
+  thread_local std::vector<at::BFloat16> buffer;
+  if (int64_t(buffer.size()) < count) buffer.resize(size_t(count));
+  return buffer.data();
+}
+
+// decode_layers where every linear is one of our int8/int4 kernels, the cache is bf16 and attended by
+// causal_attention.cpp, and x is bf16: the same kernels and the same roundings in the same order as the
+// loop below, on raw rows, without its ~45 ATen calls a layer (views, copies, adds, allocations: 2-5 us
+// each, a fifth of a decode step of the embedded model). Only the SiLU stays torch's (at::silu), so its
+// exp is the one the prefill path uses. Returns nothing where it does not apply; the loop then runs.
+std::optional<std::vector<at::Tensor>> layers_without_aten(
+    const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values,
+    int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
+    const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& kinds, const std::vector<int64_t>& has_bias,
+    const std::vector<int64_t>& out_features, int64_t H, int64_t KV, int64_t D, int64_t intermediate, double eps,
+    const std::vector<int64_t>& capture) {
+  using bf16 = at::BFloat16;
+  const auto kBf16 = at::kBFloat16;
+  const int64_t layers = keys.size(0), T = x_in.size(0), C = x_in.size(1), L = keys.size(2), I = intermediate;
+  const bool qk_norm = !qk_norms.empty();
+  if (std::getenv("DFLASH_LAYERS_WITHOUT_ATEN") != nullptr && std::string(std::getenv("DFLASH_LAYERS_WITHOUT_ATEN")) == "0") return std::nullopt;
+  if (x_in.dim() != 2 || x_in.scalar_type() != kBf16 || keys.scalar_type() != kBf16 || values.scalar_type() != kBf16 ||
+      keys.dim() != 4 || keys.size(3) != D || keys.stride(3) != 1 || keys.stride(2) != D || values.strides() != keys.strides() ||
+      values.sizes() != keys.sizes() || cos.scalar_type() != kBf16 || sin.scalar_type() != kBf16 || cos.dim() != 3 ||
+      cos.size(0) != T || cos.size(2) != D || cos.stride(2) != 1 || sin.sizes() != cos.sizes() || sin.strides() != cos.strides() ||
+      D % 2 != 0 || !(D == 16 || D == 32 || D == 64 || D == 128 || D == 256) || H % KV != 0 || start + T > L)
+    return std::nullopt;
+  const int64_t in_features[4] = {C, H * D, C, I}, outputs[4] = {(H + 2 * KV) * D, C, 2 * I, C};
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    for (int which = 0; which < 4; ++which) {
+      const int64_t i = layer * 4 + which;
+      const auto &codes = linear_tensors[3 * i], &scales = linear_tensors[3 * i + 1], &bias = linear_tensors[3 * i + 2];
+      const bool int4 = kinds[i] == kInt4Dot;
+      if ((kinds[i] != kInt4Dot && kinds[i] != kInt8Dot) || out_features[i] != outputs[which] || codes.dim() != 4 ||
+          !codes.is_contiguous() || !scales.is_contiguous() || codes.size(0) * 16 != outputs[which] ||
+          codes.size(1) * 32 != in_features[which] || codes.size(2) * codes.size(3) != (int4 ? 256 : 512) ||
+          scales.scalar_type() != (int4 ? kBf16 : at::kFloat) ||
+          (has_bias[i] && (bias.scalar_type() != kBf16 || bias.numel() != outputs[which] || !bias.is_contiguous())))
+        return std::nullopt;
+    }
+    for (int n = 0; n < 2; ++n)
+      if (norms[2 * layer + n].scalar_type() != kBf16 || norms[2 * layer + n].numel() != C || !norms[2 * layer + n].is_contiguous()) return std::nullopt;
+    for (int n = 0; n < 2 && qk_norm; ++n)
+      if (qk_norms[2 * layer + n].scalar_type() != kBf16 || qk_norms[2 * layer + n].numel() != D || !qk_norms[2 * layer + n].is_contiguous())
+        return std::nullopt;
+  }
+
+  auto x_out = x_in.contiguous().clone();
+  bf16* x = x_out.data_ptr<bf16>();
+  const int64_t QKV = (H + 2 * KV) * D;
+  bf16* h = scratch_rows(T * (C + QKV + (H + KV) * D + H * D + C + 2 * I + I));
+  bf16* qkv = h + T * C;
+  bf16* q = qkv + T * QKV;  // [T, H, D], then k [T, KV, D]
+  bf16* k = q + T * H * D;
+  bf16* attended = k + T * KV * D;
+  bf16* projected = attended + T * H * D;
+  bf16* gate_up = projected + T * C;
+  bf16* act = gate_up + T * 2 * I;
+  const bf16 *cos_rows = cos.data_ptr<bf16>(), *sin_rows = sin.data_ptr<bf16>();
+  const int64_t rope_stride = cos.stride(0);
+  bf16* key_base = keys.data_ptr<bf16>();
+  bf16* value_base = values.data_ptr<bf16>();
+  const float epsilon = float(eps);
+  std::vector<at::Tensor> captured;
+  size_t next_capture = 0;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    auto linear = [&](int which, const bf16* in, int64_t rows, bf16* out) {
+      const int64_t i = layer * 4 + which;
+      const bool int4 = kinds[i] == kInt4Dot;
+      const auto& scales = linear_tensors[3 * i + 1];
+      quantized_matmul_into(in, rows, in_features[which], linear_tensors[3 * i].data_ptr<uint8_t>(),
+                            int4 ? static_cast<const void*>(scales.data_ptr<bf16>()) : scales.data_ptr<float>(),
+                            outputs[which], int4, out);
+      if (has_bias[i]) {
+        const bf16* bias = linear_tensors[3 * i + 2].data_ptr<bf16>();
+        for (int64_t t = 0; t < rows; ++t) add_rows(out + t * outputs[which], bias, out + t * outputs[which], outputs[which]);
+      }
+    };
+    // attention
+    rms_norm_rows(x, norms[2 * layer].data_ptr<bf16>(), h, T, C, epsilon);
+    linear(0, h, T, qkv);
+    for (int64_t t = 0; t < T; ++t) {
+      const bf16* row = qkv + t * QKV;
+      const bf16 *ct = cos_rows + t * rope_stride, *st = sin_rows + t * rope_stride;
+      if (qk_norm) {  // model.py: rope(q_norm(q)), rope(k_norm(k)), each head's row normed on its own
+        bf16 normed[256];
+        for (int64_t head = 0; head < H + KV; ++head) {
+          const bool is_query = head < H;
+          rms_norm_rows(row + head * D, qk_norms[2 * layer + (is_query ? 0 : 1)].data_ptr<bf16>(), normed, 1, D, epsilon);
+          rope_row(normed, ct, st, is_query ? q + (t * H + head) * D : k + (t * KV + head - H) * D, D);
+        }
+      } else {
+        for (int64_t head = 0; head < H; ++head) rope_row(row + head * D, ct, st, q + (t * H + head) * D, D);
+        for (int64_t head = 0; head < KV; ++head) rope_row(row + (H + head) * D, ct, st, k + (t * KV + head) * D, D);
+      }
+      for (int64_t head = 0; head < KV; ++head) {  // this token's key and value into the cache
+        const int64_t at = layer * keys.stride(0) + head * keys.stride(1) + (start + t) * D;
+        std::memcpy(key_base + at, k + (t * KV + head) * D, sizeof(bf16) * D);
+        std::memcpy(value_base + at, row + (H + KV + head) * D, sizeof(bf16) * D);
+      }
+    }
+    causal_attention_bf16_into(q, T, H, D, key_base + layer * keys.stride(0), value_base + layer * keys.stride(0), KV, L,
+                               keys.stride(1), start, attended);
+    linear(1, attended, T, projected);
+    add_rows(x, projected, x, T * C);
+    // feed-forward
+    rms_norm_rows(x, norms[2 * layer + 1].data_ptr<bf16>(), h, T, C, epsilon);
+    linear(2, h, T, gate_up);
+    {
+      auto gate = at::from_blob(gate_up, {T, 2 * I}, at::TensorOptions().dtype(kBf16)).slice(1, 0, I);
+      auto silu = at::silu(gate).contiguous();
+      const bf16* s = silu.data_ptr<bf16>();
+      for (int64_t t = 0; t < T; ++t) multiply_rows(s + t * I, gate_up + t * 2 * I + I, act + t * I, I);  // silu(gate) * up
+    }
+    linear(3, act, T, projected);
+    add_rows(x, projected, x, T * C);
+    if (next_capture < capture.size() && capture[next_capture] == layer) {
+      captured.push_back(x_out.clone());
+      ++next_capture;
+    }
+  }
+  captured.insert(captured.begin(), x_out);
+  ++layers_without_aten_calls;
+  return captured;
 }
 
 }  // namespace
@@ -170,6 +416,11 @@ std::vector<at::Tensor> decode_layers(
   });
   std::optional<step_pool::AwakeScope> awake;
   if (all_ours) awake.emplace();
+  if (all_ours && !int8_cache) {
+    auto done = layers_without_aten(x, cos, sin, keys, values, start, norms, qk_norms, linear_tensors, kinds, has_bias,
+                                    out_features, H, KV, D, intermediate, eps, capture);
+    if (done) return *done;
+  }
   std::vector<at::Tensor> captured;
   size_t next_capture = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -237,6 +488,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("codes"), arg("scales"));
   m.def("int8_matmul", &int8_matmul, "x [M, K] bf16 . int8 weights (quant.py's layout) -> [M, N] bf16",
         arg("x"), arg("codes"), arg("scales"));
+  m.def("layers_without_aten_calls", [] { return layers_without_aten_calls; },
+        "decode_layers calls that ran without ATen calls between the kernels so far");
   m.def("step_pool_loops", &step_pool::loops_run, "parallel loops run by step_pool.cpp's spinning workers so far");
   m.def("causal_attention_available", &causal_attention_available, "whether this CPU runs causal_attention (AVX2 + FMA)");
   m.def("causal_attention_isa", &causal_attention_isa,

@@ -86,13 +86,14 @@ struct QuantizedRows {  // x [M, K] as int8 per group of 32: x ~ scale * q
   std::vector<int8_t> q;       // [rows, K], rows padded with zeros to a multiple of 16 for AMX
   std::vector<float> scale;    // [M, K/32]
   std::vector<int32_t> total;  // [M, K/32]: the sum of q over the group
+  std::vector<float> total_float;  // the same sums as floats (exact: |sum| <= 32 * 127), for int4_group
   const int8_t* row(int64_t m, int64_t g) const { return q.data() + m * K + g * kGroup; }
 };
 
 VNNI_TARGET QuantizedRows quantize_rows(const at::BFloat16* x, int64_t M, int64_t padded_rows, int64_t K) {
   const int64_t groups = K / kGroup;
   QuantizedRows out{K, groups, std::vector<int8_t>(padded_rows * K), std::vector<float>(M * groups),
-                    std::vector<int32_t>(M * groups)};
+                    std::vector<int32_t>(M * groups), std::vector<float>(M * groups)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const auto* p = x + m * K + g * kGroup;
@@ -106,6 +107,7 @@ VNNI_TARGET QuantizedRows quantize_rows(const at::BFloat16* x, int64_t M, int64_
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q_high));
       out.scale[m * groups + g] = amax / 127.0f;
       out.total[m * groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high));
+      out.total_float[m * groups + g] = float(out.total[m * groups + g]);
     }
   }
   return out;
@@ -117,7 +119,7 @@ VNNI_TARGET inline __m512 int4_group(__m512 total, __m512i dot, __m512 scale, __
                                      int64_t m, int64_t g) {
   // sum_k x_k w_k = x_scale * (scale * sum q_x q_w + offset * sum q_x), w = q_w * scale + offset
   const int64_t at = m * x.groups + g;
-  __m512 group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, _mm512_mul_ps(offset, _mm512_set1_ps(float(x.total[at]))));
+  __m512 group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, _mm512_mul_ps(offset, _mm512_set1_ps(x.total_float[at])));
   return _mm512_fmadd_ps(group, _mm512_set1_ps(x.scale[at]), total);
 }
 
@@ -257,7 +259,7 @@ AVX2_TARGET inline int32_t sum_of(__m256i v) {
 AVX2_TARGET QuantizedRows quantize_rows_avx2(const at::BFloat16* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup;
   QuantizedRows out{K, groups, std::vector<int8_t>(M * K), std::vector<float>(M * groups),
-                    std::vector<int32_t>(M * groups)};
+                    std::vector<int32_t>(M * groups), std::vector<float>(M * groups)};
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t m = 0; m < M; ++m) {
@@ -276,6 +278,7 @@ AVX2_TARGET QuantizedRows quantize_rows_avx2(const at::BFloat16* x, int64_t M, i
                           _mm256_permutevar8x32_epi32(bytes, in_order));
       out.scale[m * groups + g] = amax / 127.0f;
       out.total[m * groups + g] = sum_of(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      out.total_float[m * groups + g] = float(out.total[m * groups + g]);
     }
   }
   return out;
@@ -284,7 +287,7 @@ AVX2_TARGET QuantizedRows quantize_rows_avx2(const at::BFloat16* x, int64_t M, i
 AVX2_TARGET inline __m256 int4_group_avx2(__m256 total, __m256i dot, __m256 scale, __m256 offset,
                                           const QuantizedRows& x, int64_t m, int64_t g) {  // int4_group
   const int64_t at = m * x.groups + g;
-  __m256 group = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, _mm256_mul_ps(offset, _mm256_set1_ps(float(x.total[at]))));
+  __m256 group = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, _mm256_mul_ps(offset, _mm256_set1_ps(x.total_float[at])));
   return _mm256_fmadd_ps(group, _mm256_set1_ps(x.scale[at]), total);
 }
 
@@ -544,41 +547,37 @@ void check_arguments(const at::Tensor& x, const at::Tensor& codes, int64_t bytes
               "] bf16, got ", x.sizes(), " ", x.scalar_type());
 }
 
-at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool int4) {
-  const int64_t N = codes.size(0) * kChannels, K = codes.size(1) * kGroup, M = x.size(0);
-  auto input = x.contiguous();
+// y [M, N] = x [M, K] . W^T, bf16 rows in and out (contiguous), W in quant.py's layout.
+void quantized_matmul_rows(const at::BFloat16* values, int64_t M, int64_t K, const uint8_t* packed, const void* scales,
+                           int64_t N, bool int4, at::BFloat16* out) {
   const Isa isa = choose_isa(M);
   const int64_t padded = isa == Isa::kAmx ? (M + kTileRows - 1) / kTileRows * kTileRows : M;
-  const auto* values = input.data_ptr<at::BFloat16>();
   const QuantizedRows rows = isa == Isa::kAvx2 ? quantize_rows_avx2(values, M, K) : quantize_rows(values, M, padded, K);
-  auto y = at::empty({M, N}, x.options());
-  auto* out = y.data_ptr<at::BFloat16>();
-  const auto* packed = codes.data_ptr<uint8_t>();
   if (isa == Isa::kAmx) {
-    if (int4) amx_matmul<true>(rows, M, packed, scales.data_ptr<at::BFloat16>(), out, N);
-    else amx_matmul<false>(rows, M, packed, scales.data_ptr<float>(), out, N);
-    return y;
+    if (int4) amx_matmul<true>(rows, M, packed, static_cast<const at::BFloat16*>(scales), out, N);
+    else amx_matmul<false>(rows, M, packed, static_cast<const float*>(scales), out, N);
+    return;
   }
   step_pool::parallel_for(N / kChannels, 8, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       if (int4 && isa == Isa::kVnni) {
         row_passes<8>(M, [&](auto rows_per_pass, int64_t m0) {
-          int4_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, scales.data_ptr<at::BFloat16>(), out, N, block);
+          int4_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, static_cast<const at::BFloat16*>(scales), out, N, block);
         });
       } else if (int4) {
         row_passes<4>(M, [&](auto rows_per_pass, int64_t m0) {
           constexpr int kRows = decltype(rows_per_pass)::value;
-          const auto* group_scales = scales.data_ptr<at::BFloat16>();
+          const auto* group_scales = static_cast<const at::BFloat16*>(scales);
           for (int half = 0; half < 2; ++half) int4_avx2<kRows>(rows, m0, packed, group_scales, out, N, block, half);
         });
       } else if (isa == Isa::kVnni) {
         row_passes<8>(M, [&](auto rows_per_pass, int64_t m0) {
-          int8_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, scales.data_ptr<float>(), out, N, block);
+          int8_vnni<decltype(rows_per_pass)::value>(rows, m0, packed, static_cast<const float*>(scales), out, N, block);
         });
       } else {
         row_passes<4>(M, [&](auto rows_per_pass, int64_t m0) {
           constexpr int kRows = decltype(rows_per_pass)::value;
-          const auto* channel_scales = scales.data_ptr<float>();
+          const auto* channel_scales = static_cast<const float*>(scales);
           for (int half = 0; half < 2; ++half) {  // measured: the sign trick is faster for 1-2 rows
             if constexpr (kRows < 4) int8_avx2_sign<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
             else int8_avx2<kRows>(rows, m0, packed, channel_scales, out, N, block, half);
@@ -587,6 +586,15 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const 
       }
     }
   }, M * N * K >= step_pool::kWorthWakingMacs);
+}
+
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool int4) {
+  const int64_t N = codes.size(0) * kChannels, K = codes.size(1) * kGroup, M = x.size(0);
+  auto input = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  quantized_matmul_rows(input.data_ptr<at::BFloat16>(), M, K, codes.data_ptr<uint8_t>(),
+                        int4 ? static_cast<const void*>(scales.data_ptr<at::BFloat16>()) : scales.data_ptr<float>(), N, int4,
+                        y.data_ptr<at::BFloat16>());
   return y;
 }
 
@@ -633,6 +641,13 @@ std::string int8dot_isa(int64_t rows) {
     case Isa::kVnni: return "avx512-vnni";
     default: return "avx2";
   }
+}
+
+// The kernels on raw rows, for decode_layers' loop without ATen calls: x [M, K] bf16 contiguous,
+// codes and scales as below (contiguous, checked once by the caller), y [M, N] bf16.
+void quantized_matmul_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, int64_t N,
+                           bool int4, at::BFloat16* y) {
+  quantized_matmul_rows(x, M, K, codes, scales, N, int4, y);
 }
 
 // x [M, K] bf16, codes [N/16, K/32, 4, 64] uint8, scales [N/16, K/32, 2, 16] bf16 -> [M, N] bf16.
