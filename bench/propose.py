@@ -1,6 +1,8 @@
 """What one DFlash proposal costs, next to a plain decode step: the drafter as its checkpoint stores
 it (bf16 linears, unfused), with its projections fused, and as the server runs it (fused, and int8
-linears on an int8/int4 target: loading.serving_draft); then the served one's parts.
+linears on an int8/int4 target: loading.serving_draft), and as served with its draft vocabulary
+(the checkpoint's draft_vocab.json: the LM head's rows for those ids only); then the served one's
+parts.
 
 A proposal of a full block (7 drafts) after 4 new context rows, over 300 rows of context (random
 target rows: the cost does not depend on their values); the median of --repeats.
@@ -21,7 +23,7 @@ import torch  # noqa: E402
 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, SHIPPED_DRAFTERS, load_model, serving_draft  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, SHIPPED_DRAFTERS, draft_vocabulary, load_model, serving_draft  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 
 CONTEXT, NEW_ROWS = 300, 4
@@ -38,8 +40,8 @@ def median_ms(function, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
-def drafter_with_context(draft, target) -> tuple[DFlashDrafter, list[torch.Tensor]]:
-    drafter = DFlashDrafter(draft, target, 4096)
+def drafter_with_context(draft, target, vocabulary=None) -> tuple[DFlashDrafter, list[torch.Tensor]]:
+    drafter = DFlashDrafter(draft, target, 4096, vocabulary)
     rows = [torch.randn(CONTEXT, target.args.hidden_size, dtype=draft.dtype) for _ in draft.config.target_layer_ids]
     drafter.observe(0, rows)
     return drafter, rows
@@ -81,9 +83,10 @@ def parts(drafter, rows, repeats: int) -> dict[str, float]:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             t = tick(f"MLP, {len(draft.layers)} layers", t)
         drafter.kv.length = start + context.shape[0]
-        logits = target.lm_head(draft.norm(x)[1:].to(target.dtype))
-        t = tick("LM head", t)
-        logits.float().argmax(dim=-1).tolist()
+        logits = drafter.head(draft.norm(x)[1:].to(target.dtype))
+        t = tick(f"LM head ({logits.shape[-1]} rows)", t)
+        best = logits.float().argmax(dim=-1)
+        (best if drafter.vocabulary is None else drafter.vocabulary[best]).tolist()
         tick("argmax", t)
     return {name: sorted(v)[repeats // 2] * 1000 for name, v in times.items()}
 
@@ -105,15 +108,17 @@ def main() -> None:
     generation.close()
     dtype = getattr(torch, loaded.dtype)
     variants = {
-        "checkpoint layout (bf16 linears, unfused)": load_dflash_checkpoint(args.draft, dtype),
-        "projections fused": load_dflash_checkpoint(args.draft, dtype).fuse_projections(),
-        "served (loading.serving_draft)": serving_draft(args.draft, loaded.dtype, loaded.weights),
+        "checkpoint layout (bf16 linears, unfused)": (load_dflash_checkpoint(args.draft, dtype), None),
+        "projections fused": (load_dflash_checkpoint(args.draft, dtype).fuse_projections(), None),
+        "served without its draft vocabulary": (serving_draft(args.draft, loaded.dtype, loaded.weights), None),
+        "served (loading.serving_draft, draft_vocabulary)": (serving_draft(args.draft, loaded.dtype, loaded.weights),
+                                                             draft_vocabulary(args.draft)),
     }
     print(f"\ncpu={cpu_kind()} weights={loaded.weights} threads={args.threads} draft={args.draft}")
     print(f"plain decode step: {plain:.2f} ms\n")
     print("| drafter | proposal (ms) | in plain steps |\n|---|---|---|")
-    for name, draft in variants.items():
-        drafter, rows = drafter_with_context(draft, target)
+    for name, (draft, vocabulary) in variants.items():
+        drafter, rows = drafter_with_context(draft, target, vocabulary)
         cost = median_ms(proposal(drafter, rows, tokens), args.repeats)
         print(f"| {name} | {cost:.2f} | {cost / plain:.2f} |", flush=True)
     print("\nthe served proposal's parts (ms, medians):\n\n| part | ms |\n|---|---|")

@@ -30,7 +30,7 @@ from dflash.engine.drafters.dflash import (  # noqa: E402
     random_draft_model,
 )
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, load_model, serving_draft  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, draft_vocabulary, load_model, serving_draft  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 from dflash.engine.speculative import SpeculationConfig  # noqa: E402
 from dflash.training.unseen import UNSEEN_PROMPTS  # noqa: E402
@@ -103,7 +103,7 @@ def main() -> None:
                          vocab_size=target.args.vocab_size),
             dtype=getattr(torch, args.dtype),
         )
-    drafter = DFlashDrafter(draft, target, 2048)
+    drafter = DFlashDrafter(draft, target, 2048, draft_vocabulary(args.draft) if args.draft else None)  # as served
     block = draft.config.block_size - 1
     modes = {
         "plain": (SpeculationConfig(), None),

@@ -17,7 +17,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, load_model, serving_draft  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, draft_vocabulary, load_model, serving_draft  # noqa: E402
 from dflash.training.unseen import (  # noqa: E402
     UNSEEN_PROMPTS,
     acceptance_length,
@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per prompt")
+    parser.add_argument("--full-vocabulary", action="store_true",
+                        help="propose from every token, not the checkpoint's draft_vocab.json")
     parser.add_argument("--slots", action="store_true",
                         help="also each block slot's hit rate per prompt type (among blocks right up to it)")
     args = parser.parse_args()
@@ -43,7 +45,9 @@ def main() -> None:
     slots = []
     for folder in args.drafters:
         draft = serving_draft(folder, loaded.dtype, loaded.weights)  # int8 linears on a quantized target
-        verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens)
+        vocabulary = None if args.full_vocabulary else draft_vocabulary(folder)  # as the server proposes
+        verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens,
+                                             vocabulary=vocabulary)
         taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
         mean = sum(taus.values()) / len(taus)
         print(f"| {folder} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |", flush=True)

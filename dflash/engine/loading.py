@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from dflash.engine.disk_cache import DiskCache
-from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint
+from dflash.engine.drafters.dflash import DFlashDrafter, DraftLoadError, load_dflash_checkpoint
 from dflash.engine.generate import Engine
 from dflash.engine.grammar import GrammarTokenizer
 from dflash.engine.pflash import AttentionScorer, CompressionSettings, PromptCompressor, self_scorer_layers
@@ -177,7 +177,7 @@ def load_model(
         if backend != "native":
             raise ModelLoadError("the DFlash drafter needs the built-in decoder; this model runs on transformers")
         draft = serving_draft(draft_model, dtype, weights)
-        drafter = DFlashDrafter(draft, model, max_ctx)
+        drafter = DFlashDrafter(draft, model, max_ctx, vocabulary=draft_vocabulary(draft_model))
         speculation = attrs.evolve(
             speculation, max_draft_tokens=min(speculation.max_draft_tokens, draft.config.block_size - 1)
         )
@@ -371,6 +371,20 @@ def prompt_compressor(settings: CompressionSettings, model, backend: str, cache:
         raise ModelLoadError(f"scorer {settings.scorer!r}: the model has only {scorer_model.args.num_layers} layers")
     return PromptCompressor(settings, AttentionScorer(scorer_model, layers, lookahead=settings.lookahead,
                                                       pre_rope=settings.pre_rope, window=settings.scorer_window))
+
+
+def draft_vocabulary(folder: str | os.PathLike) -> list[int] | None:
+    """The ids a checkpoint's drafter proposes from (its draft_vocab.json), or None: all of them."""
+    path = Path(folder).expanduser() / "draft_vocab.json"
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["ids"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DraftLoadError(f"{path}: not a draft vocabulary ({exc})") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise DraftLoadError(f"{path}: 'ids' must be a non-empty list of token ids")
+    return ids
 
 
 def serving_draft(folder: str | os.PathLike, dtype: str, weights: str):

@@ -10,6 +10,7 @@ written here), so the number says what a user's unseen prompt gets.
 from __future__ import annotations
 
 import json
+from typing import Sequence
 
 import torch
 
@@ -100,10 +101,11 @@ def slot_hit_rates(steps: list[tuple[int, int]], slots: int) -> list[float | Non
     return rates
 
 
-def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048
-                         ) -> dict[str, list[tuple[int, int]]]:
+def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048,
+                         vocabulary: Sequence[int] | None = None) -> dict[str, list[tuple[int, int]]]:
     """Per prompt type, every verification step's (drafts proposed, drafts accepted), decoding each
-    prompt greedily with `draft` proposing a full block every step; the draft is not changed."""
+    prompt greedily with `draft` proposing a full block every step (from `vocabulary`'s ids only,
+    where given: a draft vocabulary); the draft is not changed."""
     from dflash.engine.drafters.dflash import DFlashDrafter
     from dflash.engine.generate import Engine
     from dflash.engine.sampling import SamplingParams
@@ -112,7 +114,7 @@ def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: in
     was_training = draft.training
     draft.eval()
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
-    engine = Engine(target, max_ctx=max_ctx, speculation=config, dflash_drafter=DFlashDrafter(draft, target, max_ctx))
+    engine = Engine(target, max_ctx=max_ctx, speculation=config, dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary))
     result: dict[str, list[tuple[int, int]]] = {}
     try:
         with torch.no_grad():

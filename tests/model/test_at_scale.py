@@ -152,6 +152,9 @@ def test_the_shipped_drafter_served_on_quantized_weights_drafts_through_int8_and
     assert draft.config.num_layers == 3
     linears = (draft.fc, draft.layers[0].self_attn.q_proj, draft.layers[2].mlp.down_proj)
     assert all(isinstance(m, Int8Linear) for m in linears)
+    # ... and scores its drafts against the rows of its draft vocabulary (draft_vocab.json) only
+    vocabulary = engine.dflash_drafter.vocabulary
+    assert vocabulary is not None and len(vocabulary) == 16384 and engine.dflash_drafter.head.out_features == 16384
     prompt = render_prompt(loaded.tokenizer, UNSEEN_PROMPTS["coding"][1])
     speculative = engine.start(prompt, SamplingParams(), 48)
     out = speculative.run()

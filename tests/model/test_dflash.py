@@ -153,3 +153,43 @@ def test_fused_projections_propose_what_the_checkpoint_layout_proposes(target, d
             torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
         else:
             torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_a_draft_vocabulary_limits_the_drafts_and_greedy_stays_plain_greedy(target, weights):
+    """Drafts scored against a subset of the LM head's rows are always ids of that subset (the argmax
+    over those rows, mapped back), and the target still decides every token."""
+    from dflash.engine.quant import quantize_linears
+
+    model = ours_from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
+    quantize_linears(model, weights)
+    prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90]
+    plain = Engine(model, max_ctx=128).start(prompt, SamplingParams(), 24).run()
+    vocabulary = list(range(0, 128, 2))  # 64 ids: a multiple of the int8 kernel's 16 rows
+    draft = random_draft_model(tiny_config(block_size=4), seed=4, dtype=torch.bfloat16)
+    drafter = DFlashDrafter(draft, model, 128, vocabulary=vocabulary)
+    assert drafter.head.out_features == 64
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
+    engine = Engine(model, max_ctx=128, speculation=config, dflash_drafter=drafter)
+    proposed = []
+    propose = drafter.propose
+    drafter.propose = lambda tokens, n: proposed.extend(out := propose(tokens, n)) or out
+    generation = engine.start(prompt, SamplingParams(), 24)
+    assert generation.run() == plain
+    assert proposed and set(proposed) <= set(vocabulary)
+    with pytest.raises(DraftLoadError, match="outside the target's 128"):
+        DFlashDrafter(draft, model, 128, vocabulary=[0, 128])
+
+
+def test_a_malformed_draft_vocabulary_is_refused_naming_its_file(tmp_path):
+    from dflash.engine.loading import draft_vocabulary
+
+    assert draft_vocabulary(tmp_path) is None
+    (tmp_path / "draft_vocab.json").write_text('{"ids": [1, -2]}')
+    with pytest.raises(DraftLoadError, match="draft_vocab.json.*token ids"):
+        draft_vocabulary(tmp_path)
+    (tmp_path / "draft_vocab.json").write_text("not json")
+    with pytest.raises(DraftLoadError, match="draft_vocab.json: not a draft vocabulary"):
+        draft_vocabulary(tmp_path)
+    (tmp_path / "draft_vocab.json").write_text('{"ids": [3, 1, 2]}')
+    assert draft_vocabulary(tmp_path) == [3, 1, 2]

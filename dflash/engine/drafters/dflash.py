@@ -235,7 +235,7 @@ class DFlashDrafter:
 
     name = "dflash"
 
-    def __init__(self, draft: DFlashDraftModel, target, max_ctx: int):
+    def __init__(self, draft: DFlashDraftModel, target, max_ctx: int, vocabulary: Sequence[int] | None = None):
         c = draft.config
         if c.hidden_size != target.args.hidden_size:
             raise DraftLoadError(
@@ -259,6 +259,16 @@ class DFlashDrafter:
         # not yet projected into the draft cache (that happens lazily, at the next proposal).
         self.rows = lazily_zeroed((max_ctx, len(c.target_layer_ids) * c.hidden_size), draft.dtype, device)
         self.length = 0
+        # The draft vocabulary (training/draft_vocab.py): drafts are scored against these rows of
+        # the target's LM head only; None: against all of them.
+        self.vocabulary = None
+        self.head = target.lm_head
+        if vocabulary is not None:
+            ids = sorted(set(int(i) for i in vocabulary))
+            if ids[0] < 0 or ids[-1] >= target.args.vocab_size:
+                raise DraftLoadError(f"draft vocabulary ids {ids[0]}..{ids[-1]} outside the target's {target.args.vocab_size}")
+            self.vocabulary = torch.tensor(ids, dtype=torch.long, device=device)
+            self.head = head_rows(target.lm_head, self.vocabulary)
 
     @property
     def block_size(self) -> int:
@@ -304,10 +314,24 @@ class DFlashDrafter:
         ids[0] = tokens[-1]
         out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
         # Slot 0 is the known pending token; slots 1.. predict the tokens at their own positions.
-        logits = self.target.lm_head(out[1:].to(self.target.dtype))
+        logits = self.head(out[1:].to(self.target.dtype))
         # fp32 first: torch's argmax over bf16 rows cost ~0.75 ms for 7 x 49152 on Zen 4 (AVX512-BF16),
         # 0.25 ms with the conversion (the same indices).
-        return logits.float().argmax(dim=-1).tolist()
+        best = logits.float().argmax(dim=-1)
+        return (best if self.vocabulary is None else self.vocabulary[best]).tolist()
+
+
+def head_rows(head: nn.Module, ids: Tensor) -> nn.Module:
+    """The LM head `head` restricted to the output rows `ids`: int8 where the target's is quantized
+    (its rows dequantized and quantized again: a draft needs no more), else the rows as they are."""
+    from dflash.engine.quant import Int8Linear, QuantizedLinear
+
+    if isinstance(head, QuantizedLinear):
+        return Int8Linear(head.dequantized(torch.float32)[ids], None)
+    rows = Linear(head.in_features, len(ids), bias=False, device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        rows.weight.copy_(head.weight[ids])
+    return rows
 
 
 def load_dflash_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
