@@ -193,3 +193,21 @@ def test_a_malformed_draft_vocabulary_is_refused_naming_its_file(tmp_path):
         draft_vocabulary(tmp_path)
     (tmp_path / "draft_vocab.json").write_text('{"ids": [3, 1, 2]}')
     assert draft_vocabulary(tmp_path) == [3, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_attention_on_the_native_kernel_matches_torch(dtype):
+    """The drafter's attention (every block row sees every key) through causal_attention.cpp, with
+    the rows as query heads of one row at the last position, equals torch's unmasked SDPA."""
+    from dflash.engine.drafters.dflash import block_attention
+    from dflash.engine.model import grouped_query_attention
+    from dflash.engine.native import extension
+
+    if extension() is None or not extension().causal_attention_available():
+        pytest.skip("the native kernels are not built here")
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 9, 64, generator=generator).to(dtype)
+    keys, values = (torch.randn(3, 300, 64, generator=generator).to(dtype) for _ in range(2))
+    expected = grouped_query_attention(q.float(), keys.float(), values.float(), None).reshape(8, 9, 64)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(block_attention(q, keys, values).float(), expected, atol=tolerance, rtol=tolerance)

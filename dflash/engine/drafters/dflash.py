@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.engine.kv import KVCache, lazily_zeroed
-from dflash.engine.model import Linear, RMSNorm, apply_rope, grouped_query_attention, rope_tables
+from dflash.engine.model import Linear, RMSNorm, apply_rope, grouped_query_attention, native_kernels, rope_tables
 
 
 class DraftLoadError(ValueError):
@@ -143,8 +143,25 @@ class DraftAttention(nn.Module):
         rows = torch.cat([context.to(h.dtype), h]) if S else h
         k, v = self.keys_values(rows, cos[ctx_start : block_start + B], sin[ctx_start : block_start + B])
         keys, values = kv.write(layer, ctx_start, k, v)  # context + block, no mask
-        out = grouped_query_attention(q.to(keys.dtype), keys, values, None)
+        out = block_attention(q.to(keys.dtype), keys, values)
         return self.o_proj(out.reshape(B, -1).to(h.dtype))
+
+
+def block_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    """q [B, H, D] (the block's rows), keys/values [KV, L, D] -> [B, H, D]: every row attends to
+    every key (the context and the whole block). On CPU with the native kernels, causal_attention.cpp
+    with the block's rows as the query heads of one row at the last position (one call, no mask):
+    torch's SDPA cost ~190 us a call for 8 rows over 300 keys on Zen 4, about a sixth of a proposal
+    (profiled). A proposal needs no row invariance, only the target's verification does."""
+    B, H, D = q.shape
+    KV = keys.shape[0]
+    native = native_kernels() if q.device.type == "cpu" else None
+    if native is None or not native.causal_attention_available() or q.dtype != keys.dtype or D not in (16, 32, 64, 128, 256):
+        return grouped_query_attention(q, keys, values, None).reshape(B, H, D)
+    G = H // KV
+    heads = q.view(B, KV, G, D).transpose(0, 1).reshape(1, KV * B * G, D)  # KV head h's rows together
+    out = native.causal_attention(heads, keys, values, keys.shape[1] - 1)
+    return out.view(KV, B, G, D).transpose(0, 1).reshape(B, H, D)
 
 
 class DraftMLP(nn.Module):
