@@ -1,8 +1,8 @@
 """What one DFlash proposal costs, next to a plain decode step: the drafter as its checkpoint stores
 it (bf16 linears, unfused), with its projections fused, and as the server runs it (fused, and int8
-linears on an int8/int4 target: loading.serving_draft), and as served with its draft vocabulary
-(the checkpoint's draft_vocab.json: the LM head's rows for those ids only); then the served one's
-parts.
+linears on an int8/int4 target: loading.serving_draft; its layers then run as one C++ call,
+draft_layers), and as served with its draft vocabulary (the checkpoint's draft_vocab.json: the LM
+head's rows for those ids only); then the served one's parts.
 
 A proposal of a full block (7 drafts) after 4 new context rows, over 300 rows of context (random
 target rows: the cost does not depend on their values); the median of --repeats.
@@ -57,6 +57,7 @@ def proposal(drafter, rows, tokens):
     return propose
 
 
+@torch.inference_mode()  # as DFlashDrafter.propose runs
 def parts(drafter, rows, repeats: int) -> dict[str, float]:
     """The served proposal's parts, each timed over `repeats` proposals (medians, ms)."""
     draft, target = drafter.draft, drafter.target
@@ -76,14 +77,19 @@ def parts(drafter, rows, repeats: int) -> dict[str, float]:
         x = target.embed(ids).to(draft.dtype)
         t = tick("context projection and embedding", t)
         start = drafter.kv.length
-        for index, layer in enumerate(draft.layers):
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, context, drafter.kv, index, start, drafter.cos, drafter.sin)
-            t = tick(f"attention, {len(draft.layers)} layers (norm, projections, RoPE, cache, attention)", t)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            t = tick(f"MLP, {len(draft.layers)} layers", t)
-        drafter.kv.length = start + context.shape[0]
-        logits = drafter.head(draft.norm(x)[1:].to(target.dtype))
+        if draft.native_arguments() is not None:  # as served: the layers in one C++ call
+            x = draft(context, target.embed(ids), drafter.kv, drafter.cos, drafter.sin)
+            t = tick(f"{len(draft.layers)} layers and the final norm (draft_layers: one C++ call)", t)
+        else:
+            for index, layer in enumerate(draft.layers):
+                h = layer.input_layernorm(x)
+                x = x + layer.self_attn(h, context, drafter.kv, index, start, drafter.cos, drafter.sin)
+                t = tick(f"attention, {len(draft.layers)} layers (norm, projections, RoPE, cache, attention)", t)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                t = tick(f"MLP, {len(draft.layers)} layers", t)
+            drafter.kv.length = start + context.shape[0]
+            x = draft.norm(x)
+        logits = drafter.head(x[1:].to(target.dtype))
         t = tick(f"LM head ({logits.shape[-1]} rows)", t)
         best = logits.float().argmax(dim=-1)
         (best if drafter.vocabulary is None else drafter.vocabulary[best]).tolist()

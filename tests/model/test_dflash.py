@@ -211,3 +211,41 @@ def test_block_attention_on_the_native_kernel_matches_torch(dtype):
     expected = grouped_query_attention(q.float(), keys.float(), values.float(), None).reshape(8, 9, 64)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(block_attention(q, keys, values).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_the_served_drafter_s_native_layers_equal_its_python_layers_bit_for_bit(target, cache_dtype, monkeypatch):
+    """draft_layers (decode_layers.cpp) runs DFlashDraftModel.forward as served (bf16, fused, int8
+    linears): the same block outputs and cache rows as the Python layers, with new context rows and
+    without, over an fp32 or a bf16 cache."""
+    import dflash.engine.drafters.dflash as dflash_module
+    from dflash.engine.kv import KVCache
+    from dflash.engine.native import extension
+    from dflash.engine.quant import quantize_draft_linears
+
+    if extension() is None or not extension().int8dot_available():
+        pytest.skip("the native kernels are not built here")
+    c = tiny_config(block_size=8, hidden_size=64, intermediate_size=96, head_dim=16)
+    draft = random_draft_model(c, seed=5, dtype=torch.bfloat16).fuse_projections()
+    quantize_draft_linears(draft)
+    assert draft.native_arguments() is not None
+    cos, sin = rope_tables(draft.inv_freq.float(), 64, 1.0, torch.bfloat16, "cpu")
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    generator = torch.Generator().manual_seed(2)
+    context = torch.randn(12, 64, generator=generator).bfloat16()
+    block = torch.randn(8, 64, generator=generator).bfloat16()
+
+    def run(native: bool):
+        kv = KVCache(c.num_layers, c.num_kv_heads, 64, c.head_dim, cache_dtype, "cpu")
+        outs = []
+        with monkeypatch.context() as patch, torch.inference_mode():
+            if not native:
+                patch.setattr(dflash_module, "native_extension", lambda: None)
+            outs.append(draft(context[:9], block, kv, cos, sin))  # 9 new context rows
+            outs.append(draft(context[9:], block, kv, cos, sin))  # 3 more
+            outs.append(draft(context[:0], block, kv, cos, sin))  # none
+        return outs, kv.keys[:, :, :20].clone(), kv.values[:, :, :20].clone()
+
+    native, python = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(native[0], python[0]))
+    assert torch.equal(native[1], python[1]) and torch.equal(native[2], python[2])

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.engine.kv import KVCache, lazily_zeroed
-from dflash.engine.model import Linear, RMSNorm, apply_rope, grouped_query_attention, native_kernels, rope_tables
+from dflash.engine.model import Linear, RMSNorm, apply_rope, grouped_query_attention, native_extension, native_kernels, rope_tables
 
 
 class DraftLoadError(ValueError):
@@ -238,12 +238,43 @@ class DFlashDraftModel(nn.Module):
         """Returns the final-normed block outputs [B, H]; kv keeps the new context rows only."""
         ctx_start = kv.length
         x = block_embeddings.to(self.dtype)
-        for index, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, context, kv, index, ctx_start, cos, sin)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        native = native_extension() if x.device.type == "cpu" and not torch.is_grad_enabled() else None
+        arguments = self.native_arguments() if native is not None and hasattr(native, "draft_layers") else None
+        if arguments is not None and kv.keys.dtype in (torch.float32, torch.bfloat16):
+            # draft_layers: the loop below in one C++ call, the same kernels in the same order
+            x = native.draft_layers(x, context.to(self.dtype), cos, sin, kv.keys, kv.values, ctx_start, **arguments)
+        else:
+            for index, layer in enumerate(self.layers):
+                h = layer.input_layernorm(x)
+                x = x + layer.self_attn(h, context, kv, index, ctx_start, cos, sin)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         kv.length = ctx_start + context.shape[0]
         return self.norm(x)
+
+    def native_arguments(self) -> dict | None:
+        """draft_layers' tensors where the drafter is served in bf16 with every linear int8 on our
+        kernels and its projections fused (loading.serving_draft on an int8/int4 target), else None."""
+        from dflash.engine.quant import Int8Linear
+
+        attention_modules = [layer.self_attn._modules for layer in self.layers]
+        mlp_modules = [layer.mlp._modules for layer in self.layers]
+        linears = [[a.get("q_proj"), a.get("kv_proj"), a.get("o_proj"), m.get("gate_up_proj"), m.get("down_proj")]
+                   for a, m in zip(attention_modules, mlp_modules)]
+        signature = tuple(id(l) for row in linears for l in row)  # quantize/fuse replace the modules
+        cached = self.__dict__.get("_native_arguments")
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        arguments = None
+        c = self.config
+        if (self.dtype == torch.bfloat16 and self.norm.weight.device.type == "cpu" and c.head_dim % 16 == 0
+                and all(isinstance(l, Int8Linear) and l.kernels != "torch" for row in linears for l in row)):
+            arguments = dict(
+                norms=[w for layer in self.layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                                           layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)],
+                linears=[t for row in linears for l in row for t in (l.qweight, l.scales)],
+                H=c.num_heads, KV=c.num_kv_heads, D=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps)
+        self.__dict__["_native_arguments"] = (signature, arguments)
+        return arguments
 
 
 class DFlashDrafter:

@@ -1122,3 +1122,17 @@ void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int
     default: attend<256>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
   }
 }
+
+// The same over an fp32 cache with fp32 rows (the DFlash drafter's cache on CPU: draft_layers).
+void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, const float* keys, const float* values,
+                               int64_t KV, int64_t L, int64_t head_stride, int64_t start, float* out) {
+  if (T == 0) return;
+  const Rows<float> rows{q, start, T, H / KV, H, D, 1.0f / std::sqrt(float(D))};
+  switch (D) {
+    case 16: attend<16>(rows, keys, values, head_stride, L, KV, out, false); break;
+    case 32: attend<32>(rows, keys, values, head_stride, L, KV, out, false); break;
+    case 64: attend<64>(rows, keys, values, head_stride, L, KV, out, false); break;
+    case 128: attend<128>(rows, keys, values, head_stride, L, KV, out, false); break;
+    default: attend<256>(rows, keys, values, head_stride, L, KV, out, false); break;
+  }
+}

@@ -35,6 +35,8 @@ int64_t causal_attention_revision();
 void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int64_t D, const at::BFloat16* keys,
                                 const at::BFloat16* values, int64_t KV, int64_t L, int64_t head_stride, int64_t start,
                                 at::BFloat16* out);
+void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, const float* keys, const float* values,
+                               int64_t KV, int64_t L, int64_t head_stride, int64_t start, float* out);
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
 bool int8_kv_available();
 int64_t int8_kv_revision();
@@ -477,6 +479,148 @@ std::vector<at::Tensor> decode_layers(
   return captured;
 }
 
+// The DFlash drafter's layers over one block (drafters/dflash.py, DFlashDraftModel.forward as the
+// server runs it: int8 linears on our kernels, fused kv_proj and gate_up_proj, q/k norms, bf16
+// activations, an fp32 or bf16 cache): the same kernels and roundings in the same order as that
+// Python code, so the same drafts (tests/model/test_dflash.py), without its ~30 ATen calls a layer
+// (most of a proposal's 3 ms on Zen 4: bench/propose.py). x [B, C] the block's rows (positions
+// ctx_start + S..), context [S, C] the new context rows (ctx_start..); keys/values the drafter's
+// cache [layers, KV, max, D]: the context's and the block's keys are written at ctx_start.. (the
+// block's are overwritten by the next proposal). Every block row attends to every key: the rows
+// as the query heads of one row at the last position (block_attention). Returns x after the layers.
+at::Tensor draft_layers(const at::Tensor& x_in, const at::Tensor& context, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& keys, const at::Tensor& values, int64_t ctx_start,
+                        const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& linears, int64_t H, int64_t KV,
+                        int64_t D, int64_t intermediate, double eps) {
+  using bf16 = at::BFloat16;
+  at::NoGradGuard no_grad;
+  const auto kBf16 = at::kBFloat16;
+  const int64_t layers = keys.size(0), B = x_in.size(0), C = x_in.size(1), S = context.size(0), N = S + B, I = intermediate;
+  const int64_t G = H / KV, end = ctx_start + N;
+  const bool f32_cache = keys.scalar_type() == at::kFloat;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == kBf16 && context.scalar_type() == kBf16 && (S == 0 || context.size(1) == C),
+              "draft_layers: x ", x_in.sizes(), " ", x_in.scalar_type(), ", context ", context.sizes(), " ", context.scalar_type());
+  TORCH_CHECK((f32_cache || keys.scalar_type() == kBf16) && values.scalar_type() == keys.scalar_type() && keys.dim() == 4 &&
+                  keys.size(1) == KV && keys.size(3) == D && keys.stride(3) == 1 && keys.stride(2) == D &&
+                  values.strides() == keys.strides() && values.sizes() == keys.sizes() && end <= keys.size(2),
+              "draft_layers: cache ", keys.sizes(), " ", keys.scalar_type(), " for positions up to ", end);
+  TORCH_CHECK(cos.scalar_type() == kBf16 && sin.scalar_type() == kBf16 && cos.dim() == 3 && cos.size(2) == D && cos.stride(2) == 1 &&
+                  sin.strides() == cos.strides() && cos.size(0) >= end && H % KV == 0 && D % 16 == 0 && D <= 256,
+              "draft_layers: rope tables ", cos.sizes(), ", ", H, " heads over ", KV, " of ", D);
+  TORCH_CHECK(int64_t(norms.size()) == 4 * layers && int64_t(linears.size()) == 10 * layers, "draft_layers: ", norms.size(),
+              " norms and ", linears.size(), " linear tensors for ", layers, " layers (4 and 10 a layer)");
+  const int64_t in_features[5] = {C, C, H * D, C, I}, outputs[5] = {H * D, 2 * KV * D, C, 2 * I, C};
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    for (int which = 0; which < 5; ++which) {
+      const auto &codes = linears[10 * layer + 2 * which], &scales = linears[10 * layer + 2 * which + 1];
+      TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                      codes.size(0) * 16 == outputs[which] && codes.size(1) * 32 == in_features[which] &&
+                      codes.size(2) * codes.size(3) == 512 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                      scales.numel() == outputs[which],
+                  "draft_layers: linear ", which, " of layer ", layer, " is not int8 in quant.py's layout: ", codes.sizes());
+    }
+    for (int n = 0; n < 4; ++n) {
+      const auto& w = norms[4 * layer + n];
+      TORCH_CHECK(w.scalar_type() == kBf16 && w.is_contiguous() && w.numel() == (n < 2 ? C : D), "draft_layers: norm ", n,
+                  " of layer ", layer, ": ", w.sizes(), " ", w.scalar_type());
+    }
+  }
+  step_pool::AwakeScope awake;
+  auto x_out = x_in.contiguous().clone();
+  bf16* x = x_out.data_ptr<bf16>();
+  const auto context_rows = context.contiguous();
+  bf16* h = scratch_rows(N * C + B * H * D * 2 + N * 2 * KV * D + B * C + B * 2 * I + B * I + D);
+  bf16* q = h + N * C;           // [B, H, D] after q_proj, then normed and rotated in place
+  bf16* attended = q + B * H * D;  // [B, H * D]
+  bf16* kv = attended + B * H * D;  // [N, 2 KV D]
+  bf16* projected = kv + N * 2 * KV * D;
+  bf16* gate_up = projected + B * C;
+  bf16* act = gate_up + B * 2 * I;
+  bf16* normed = act + B * I;  // one head's row
+  std::vector<float> heads_f32(f32_cache ? size_t(B * H * D) : 0), out_f32(f32_cache ? size_t(B * H * D) : 0);
+  std::vector<bf16> heads_bf16(f32_cache ? 0 : size_t(B * H * D)), out_bf16(f32_cache ? 0 : size_t(B * H * D));
+  const bf16 *cos_rows = cos.data_ptr<bf16>(), *sin_rows = sin.data_ptr<bf16>();
+  const int64_t rope_stride = cos.stride(0);
+  const float epsilon = float(eps);
+  auto linear = [&](int64_t layer, int which, const bf16* in, int64_t rows, bf16* out) {
+    quantized_matmul_into(in, rows, in_features[which], linears[10 * layer + 2 * which].data_ptr<uint8_t>(),
+                          linears[10 * layer + 2 * which + 1].data_ptr<float>(), outputs[which], false, out);
+  };
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const bf16 *input_norm = norms[4 * layer].data_ptr<bf16>(), *post_norm = norms[4 * layer + 1].data_ptr<bf16>();
+    const bf16 *q_norm = norms[4 * layer + 2].data_ptr<bf16>(), *k_norm = norms[4 * layer + 3].data_ptr<bf16>();
+    // h = [context; input_layernorm(x)]: the keys' rows; the queries are the block's
+    if (S) std::memcpy(h, context_rows.data_ptr<bf16>(), sizeof(bf16) * S * C);
+    bf16* block_h = h + S * C;
+    rms_norm_rows(x, input_norm, block_h, B, C, epsilon);
+    linear(layer, 0, block_h, B, q);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t position = ctx_start + S + b;
+      for (int64_t head = 0; head < H; ++head) {
+        bf16* row = q + (b * H + head) * D;
+        rms_norm_rows(row, q_norm, normed, 1, D, epsilon);
+        rope_row(normed, cos_rows + position * rope_stride, sin_rows + position * rope_stride, row, D);
+      }
+    }
+    linear(layer, 1, h, N, kv);
+    const int64_t layer_at = layer * keys.stride(0);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t position = ctx_start + n;
+      for (int64_t head = 0; head < KV; ++head) {
+        rms_norm_rows(kv + n * 2 * KV * D + head * D, k_norm, normed, 1, D, epsilon);
+        alignas(32) bf16 rotated[256];
+        rope_row(normed, cos_rows + position * rope_stride, sin_rows + position * rope_stride, rotated, D);
+        const bf16* value = kv + n * 2 * KV * D + (KV + head) * D;
+        const int64_t at = layer_at + head * keys.stride(1) + position * D;
+        if (f32_cache) {
+          float *k_out = keys.data_ptr<float>() + at, *v_out = values.data_ptr<float>() + at;
+          for (int64_t d = 0; d < D; ++d) k_out[d] = float(rotated[d]), v_out[d] = float(value[d]);
+        } else {
+          std::memcpy(keys.data_ptr<bf16>() + at, rotated, sizeof(bf16) * D);
+          std::memcpy(values.data_ptr<bf16>() + at, value, sizeof(bf16) * D);
+        }
+      }
+    }
+    // the block's rows as query heads of one row: KV head k's heads (b, g) at (k B + b) G + g
+    for (int64_t k = 0; k < KV; ++k)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < G; ++g) {
+          const bf16* from = q + (b * H + k * G + g) * D;
+          const int64_t to = ((k * B + b) * G + g) * D;
+          if (f32_cache) for (int64_t d = 0; d < D; ++d) heads_f32[to + d] = float(from[d]);
+          else std::memcpy(heads_bf16.data() + to, from, sizeof(bf16) * D);
+        }
+    if (f32_cache) {
+      causal_attention_f32_into(heads_f32.data(), 1, KV * B * G, D, keys.data_ptr<float>() + layer_at,
+                                values.data_ptr<float>() + layer_at, KV, end, keys.stride(1), end - 1, out_f32.data());
+    } else {
+      causal_attention_bf16_into(heads_bf16.data(), 1, KV * B * G, D, keys.data_ptr<bf16>() + layer_at,
+                                 values.data_ptr<bf16>() + layer_at, KV, end, keys.stride(1), end - 1, out_bf16.data());
+    }
+    for (int64_t k = 0; k < KV; ++k)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t from = ((k * B + b) * G + g) * D;
+          bf16* to = attended + (b * H + k * G + g) * D;
+          if (f32_cache) for (int64_t d = 0; d < D; ++d) to[d] = bf16(out_f32[from + d]);
+          else std::memcpy(to, out_bf16.data() + from, sizeof(bf16) * D);
+        }
+    linear(layer, 2, attended, B, projected);
+    add_rows(x, projected, x, B * C);
+    rms_norm_rows(x, post_norm, block_h, B, C, epsilon);
+    linear(layer, 3, block_h, B, gate_up);
+    {
+      auto gate = at::from_blob(gate_up, {B, 2 * I}, at::TensorOptions().dtype(kBf16)).slice(1, 0, I);
+      auto silu = at::silu(gate).contiguous();
+      const bf16* s = silu.data_ptr<bf16>();
+      for (int64_t b = 0; b < B; ++b) multiply_rows(s + b * I, gate_up + b * 2 * I + I, act + b * I, I);
+    }
+    linear(layer, 4, act, B, projected);
+    add_rows(x, projected, x, B * C);
+  }
+  return x_out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
   m.def("rms_norm", &rms_norm, "model.RMSNorm, row by row (bf16 or fp32)", arg("x"), arg("weight"), arg("eps"));
@@ -506,6 +650,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention_int8", &causal_attention_int8,
         "causal_attention over an int8 layer (keys uint8 code + 128, values int8, scales [KV, L]) -> [T, H, D] in q's dtype",
         arg("q"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"));
+  m.def("draft_layers", &draft_layers, "a DFlash drafter's layers over its block, as served (drafters/dflash.py)",
+        arg("x"), arg("context"), arg("cos"), arg("sin"), arg("keys"), arg("values"), arg("ctx_start"), arg("norms"),
+        arg("linears"), arg("H"), arg("KV"), arg("D"), arg("intermediate"), arg("eps"));
   m.def("decode_layers", &decode_layers, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
         arg("sin"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
