@@ -18,6 +18,7 @@ the number of tokens that yields the most tokens per second (best_block). With s
 
 from __future__ import annotations
 
+import time
 from typing import Literal, Sequence
 
 import attrs
@@ -56,6 +57,9 @@ class _DrafterState:
         self.matched = 0.0
         self.tried = 0.0
         self.row_cost = _Ema(0.3)  # each verified draft row's cost, in plain steps
+        # The proposal's own cost, in plain steps: fixed per step whatever the block (a DFlash
+        # forward), so it is not charged to the rows (which made short blocks look best).
+        self.proposal_cost = _Ema(0.3, 0.0)
 
     def acceptance(self) -> float | None:
         return self.matched / self.tried if self.tried >= 4 else None
@@ -69,12 +73,14 @@ def tokens_per_verification(acceptance: float, block: int) -> float:
     return (1.0 - acceptance ** (block + 1)) / (1.0 - acceptance)
 
 
-def best_block(acceptance: float, row_cost: float, max_block: int) -> int:
-    """The block that yields the most tokens per unit of time, a verification of k drafts costing
-    1 + row_cost * k plain steps: on AMX (row_cost ~0.1) a long block for a drafter accepted 90% of
-    the time, on AVX2 (~0.4) 3 drafts for the same drafter."""
+def best_block(acceptance: float, row_cost: float, max_block: int, proposal_cost: float = 0.0) -> int:
+    """The block that yields the most tokens per unit of time, a step of k drafts costing
+    1 + proposal_cost + row_cost * k plain steps: on AMX (row_cost ~0.1) a long block for a drafter
+    accepted 90% of the time, on AVX2 (~0.4) 3 drafts for the same drafter; a proposal that costs
+    half a step (a DFlash forward) makes longer blocks pay, since it is paid once a step."""
+    fixed = 1.0 + max(proposal_cost, 0.0)
     return max(range(1, max_block + 1),
-               key=lambda k: tokens_per_verification(acceptance, k) / (1.0 + max(row_cost, 0.0) * k))
+               key=lambda k: tokens_per_verification(acceptance, k) / (fixed + max(row_cost, 0.0) * k))
 
 
 class SpeculationMemory:
@@ -119,6 +125,7 @@ class SpeculationPolicy:
                 state.block, pause, state.pause_length = self.memory.drafters[name]
                 state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
         self.plain_seconds = _Ema(0.3)
+        self.proposal_seconds = 0.0  # the last step's proposals (choose), the start of what record() is given
 
     def choose(self, tokens: Sequence[int]) -> tuple[object | None, list[int]]:
         """The drafter for this step and its proposal; (None, []) means take a plain step."""
@@ -136,10 +143,12 @@ class SpeculationPolicy:
         # the others propose only when it has nothing: on code editing the n-gram drafter's long
         # acceptances then are not crowded out by a slower drafter that also proposes every step.
         ready.sort(key=lambda item: (-(self.state[item[1]].tokens_per_second.value or float("inf")), item[0]))
+        started = time.perf_counter()
         for _, name, drafter in ready:
             state = self.state[name]
             draft = drafter.propose(tokens, state.block)
             if draft:
+                self.proposal_seconds = time.perf_counter() - started  # every proposal this step asked for
                 return drafter, draft
         return None, []
 
@@ -155,12 +164,16 @@ class SpeculationPolicy:
         state.matched = 0.9 * state.matched + accepted
         state.tried = 0.9 * state.tried + accepted + (accepted < proposed)
         if self.plain_seconds.value:
-            state.row_cost.add((seconds / self.plain_seconds.value - 1.0) / max(proposed, 1))
+            proposal = min(self.proposal_seconds, seconds) / self.plain_seconds.value
+            state.proposal_cost.add(proposal)
+            state.row_cost.add((seconds / self.plain_seconds.value - proposal - 1.0) / max(proposed, 1))
         acceptance = state.acceptance()
         if acceptance is not None and state.row_cost.value is not None:
-            # Enough measured: the block that pays best on this CPU (verification cost per row)
-            # for this drafter's acceptance, instead of the slow start's doubling and halving.
-            state.block = best_block(acceptance, state.row_cost.value, self.config.max_draft_tokens)
+            # Enough measured: the block that pays best on this CPU (verification cost per row,
+            # the proposal's own) for this drafter's acceptance, instead of the slow start's
+            # doubling and halving.
+            state.block = best_block(acceptance, state.row_cost.value, self.config.max_draft_tokens,
+                                     state.proposal_cost.value)
         elif accepted < proposed / 2 and state.block > 1:
             state.block = max(1, state.block // 2)
         elif accepted == proposed:

@@ -144,6 +144,8 @@ def test_the_block_is_chosen_by_acceptance_and_what_a_verified_row_costs():
     assert best_block(0.9, 0.1, 7) == 7  # AMX-like: rows are cheap, draft long
     assert best_block(0.85, 0.4, 7) == 3  # AVX2-like: each row ~0.4 of a step
     assert best_block(0.3, 0.4, 7) == 1
+    # a proposal paid once a step (a DFlash forward, half a plain step) makes longer blocks pay
+    assert best_block(0.8, 0.17, 7) == 4 and best_block(0.8, 0.17, 7, proposal_cost=0.5) == 5
 
 
 def test_a_measured_drafter_drafts_the_block_that_pays_best_on_this_cpu():
@@ -165,3 +167,37 @@ def test_a_measured_drafter_drafts_the_block_that_pays_best_on_this_cpu():
             matched += 1
         policy.record(chosen, len(draft), matched, 0.010 * (1 + 0.4 * len(draft)))
     assert max(drafter.asked[-20:]) <= 3 and 2 in drafter.asked[-20:]  # best: 2 (1.29 tokens a step's time)
+
+
+def test_a_proposal_s_own_cost_is_not_charged_to_the_verified_rows(monkeypatch):
+    """A drafter whose proposal costs half a plain step and whose verification costs 1 + 0.17 steps a
+    row, 80% of drafts accepted: the policy measures the two apart and settles on long blocks. (Charged
+    to the rows, as it was, the proposal made 2 drafts look best and kept the block there.)"""
+    import random
+
+    import dflash.engine.speculative as speculative
+
+    clock = [0.0]
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
+
+    class SlowProposals(ScriptedDrafter):
+        name = "dflash"
+
+        def propose(self, tokens, max_tokens):
+            clock[0] += 0.005
+            return super().propose(tokens, max_tokens)
+
+    drafter = SlowProposals()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="dflash", max_draft_tokens=7), {"dflash": drafter})
+    policy.record_plain(0.010)
+    rng = random.Random(1)
+    for _ in range(80):
+        chosen, draft = policy.choose([1, 2, 3])
+        if chosen is None:
+            policy.record_plain(0.010)
+            continue
+        matched = 0
+        while matched < len(draft) and rng.random() < 0.8:
+            matched += 1
+        policy.record(chosen, len(draft), matched, 0.005 + 0.010 * (1 + 0.17 * len(draft)))
+    assert min(drafter.asked[-20:]) >= 4
