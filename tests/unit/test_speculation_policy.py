@@ -146,6 +146,8 @@ def test_the_block_is_chosen_by_acceptance_and_what_a_verified_row_costs():
     assert best_block(0.3, 0.4, 7) == 1
     # a proposal paid once a step (a DFlash forward, half a plain step) makes longer blocks pay
     assert best_block(0.8, 0.17, 7) == 4 and best_block(0.8, 0.17, 7, proposal_cost=0.5) == 5
+    # where no block beats a plain step (2 drafts would be the least bad) the probe drafts one token
+    assert best_block(0.4, 0.17, 7, proposal_cost=0.5) == 1
 
 
 def test_a_measured_drafter_drafts_the_block_that_pays_best_on_this_cpu():
