@@ -158,7 +158,10 @@ def test_the_native_decode_loop_equals_the_python_layers(model, monkeypatch):
                     patch.setattr(model_module, "native_extension", lambda: None)
                 kv = model.new_kv_cache(256)
                 model(tokens[:start], 0, kv)
+                calls = extension().layers_without_aten_calls()
                 logits, _ = model(tokens[start : start + rows], start, kv, logits_positions=None)
+                # the native loop takes its path without ATen calls between the kernels here too
+                assert extension().layers_without_aten_calls() == calls + int(native)
                 results.append((logits, kv.keys[:, :, : start + rows].clone(), kv.value_scales[:, :, : start + rows].clone()))
         assert all(torch.equal(a, b) for a, b in zip(*results)), (start, rows)
 

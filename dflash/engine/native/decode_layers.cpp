@@ -278,16 +278,18 @@ at::BFloat16* scratch_rows(int64_t count) {
 // exp is the one the prefill path uses. Returns nothing where it does not apply; the loop then runs.
 std::optional<std::vector<at::Tensor>> layers_without_aten(
     const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values,
-    int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
+    const at::Tensor& key_scales, const at::Tensor& value_scales, int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
     const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& kinds, const std::vector<int64_t>& has_bias,
     const std::vector<int64_t>& out_features, int64_t H, int64_t KV, int64_t D, int64_t intermediate, double eps,
     const std::vector<int64_t>& capture) {
   using bf16 = at::BFloat16;
   const auto kBf16 = at::kBFloat16;
   const int64_t layers = keys.size(0), T = x_in.size(0), C = x_in.size(1), L = keys.size(2), I = intermediate;
-  const bool qk_norm = !qk_norms.empty();
+  const bool qk_norm = !qk_norms.empty(), int8_cache = key_scales.numel() > 0;
   if (std::getenv("DFLASH_LAYERS_WITHOUT_ATEN") != nullptr && std::string(std::getenv("DFLASH_LAYERS_WITHOUT_ATEN")) == "0") return std::nullopt;
-  if (x_in.dim() != 2 || x_in.scalar_type() != kBf16 || keys.scalar_type() != kBf16 || values.scalar_type() != kBf16 ||
+  const bool cache_types = int8_cache ? keys.scalar_type() == at::kByte && values.scalar_type() == at::kChar
+                                     : keys.scalar_type() == kBf16 && values.scalar_type() == kBf16;
+  if (x_in.dim() != 2 || x_in.scalar_type() != kBf16 || !cache_types ||
       keys.dim() != 4 || keys.size(3) != D || keys.stride(3) != 1 || keys.stride(2) != D || values.strides() != keys.strides() ||
       values.sizes() != keys.sizes() || cos.scalar_type() != kBf16 || sin.scalar_type() != kBf16 || cos.dim() != 3 ||
       cos.size(0) != T || cos.size(2) != D || cos.stride(2) != 1 || sin.sizes() != cos.sizes() || sin.strides() != cos.strides() ||
@@ -326,8 +328,8 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
   bf16* act = gate_up + T * 2 * I;
   const bf16 *cos_rows = cos.data_ptr<bf16>(), *sin_rows = sin.data_ptr<bf16>();
   const int64_t rope_stride = cos.stride(0);
-  bf16* key_base = keys.data_ptr<bf16>();
-  bf16* value_base = values.data_ptr<bf16>();
+  bf16* key_base = int8_cache ? nullptr : keys.data_ptr<bf16>();
+  bf16* value_base = int8_cache ? nullptr : values.data_ptr<bf16>();
   const float epsilon = float(eps);
   std::vector<at::Tensor> captured;
   size_t next_capture = 0;
@@ -361,14 +363,25 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
         for (int64_t head = 0; head < H; ++head) rope_row(row + head * D, ct, st, q + (t * H + head) * D, D);
         for (int64_t head = 0; head < KV; ++head) rope_row(row + (H + head) * D, ct, st, k + (t * KV + head) * D, D);
       }
-      for (int64_t head = 0; head < KV; ++head) {  // this token's key and value into the cache
+      for (int64_t head = 0; head < KV && !int8_cache; ++head) {  // this token's key and value into the cache
         const int64_t at = layer * keys.stride(0) + head * keys.stride(1) + (start + t) * D;
         std::memcpy(key_base + at, k + (t * KV + head) * D, sizeof(bf16) * D);
         std::memcpy(value_base + at, row + (H + KV + head) * D, sizeof(bf16) * D);
       }
     }
-    causal_attention_bf16_into(q, T, H, D, key_base + layer * keys.stride(0), value_base + layer * keys.stride(0), KV, L,
-                               keys.stride(1), start, attended);
+    if (int8_cache) {  // kv.Int8KVCache: the loop below's calls, on views of the rows
+      const auto options = at::TensorOptions().dtype(kBf16);
+      const auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
+      const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
+      quantize_kv(at::from_blob(k, {T, KV, D}, options), at::from_blob(qkv + (H + KV) * D, {T, KV, D}, {QKV, D, 1}, options),
+                  layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
+      const auto out = causal_attention_int8(at::from_blob(q, {T, H, D}, options), layer_keys, layer_values, layer_key_scales,
+                                             layer_value_scales, start);
+      std::memcpy(attended, out.data_ptr<bf16>(), sizeof(bf16) * T * H * D);
+    } else {
+      causal_attention_bf16_into(q, T, H, D, key_base + layer * keys.stride(0), value_base + layer * keys.stride(0), KV, L,
+                                 keys.stride(1), start, attended);
+    }
     linear(1, attended, T, projected);
     add_rows(x, projected, x, T * C);
     // feed-forward
@@ -418,8 +431,8 @@ std::vector<at::Tensor> decode_layers(
   });
   std::optional<step_pool::AwakeScope> awake;
   if (all_ours) awake.emplace();
-  if (all_ours && !int8_cache) {
-    auto done = layers_without_aten(x, cos, sin, keys, values, start, norms, qk_norms, linear_tensors, kinds, has_bias,
+  if (all_ours) {
+    auto done = layers_without_aten(x, cos, sin, keys, values, key_scales, value_scales, start, norms, qk_norms, linear_tensors, kinds, has_bias,
                                     out_features, H, KV, D, intermediate, eps, capture);
     if (done) return *done;
   }
