@@ -1105,15 +1105,13 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
-// causal_attention over a bf16 cache on raw rows, for decode_layers' loop without ATen calls (its
-// caller checked the shapes once): q [T, H, D] bf16 contiguous, a layer's keys and values [KV, L, D]
-// with heads head_stride apart, out [T, H, D] bf16. The same calls as causal_attention, so the same bits.
-void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int64_t D, const at::BFloat16* keys,
-                                const at::BFloat16* values, int64_t KV, int64_t L, int64_t head_stride, int64_t start,
-                                at::BFloat16* out) {
-  if (T == 0) return;
-  const Rows<at::BFloat16> rows{q, start, T, H / KV, H, D, 1.0f / std::sqrt(float(D))};
-  const bool bf16_values = bf16_values_chosen();
+namespace {
+// attend<D> on raw rows of one type (q, cache and out alike), D chosen at run time.
+template <typename T>
+void attend_rows(const T* q, int64_t rows_count, int64_t H, int64_t D, const T* keys, const T* values, int64_t KV, int64_t L,
+                 int64_t head_stride, int64_t start, T* out, bool bf16_values) {
+  if (rows_count == 0) return;
+  const Rows<T> rows{q, start, rows_count, H / KV, H, D, 1.0f / std::sqrt(float(D))};
   switch (D) {
     case 16: attend<16>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
     case 32: attend<32>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
@@ -1122,17 +1120,19 @@ void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int
     default: attend<256>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
   }
 }
+}  // namespace
 
-// The same over an fp32 cache with fp32 rows (the DFlash drafter's cache on CPU: draft_layers).
+// causal_attention on raw rows, for decode_layers' loops without ATen calls (their callers checked
+// the shapes once): q [T, H, D] contiguous, a layer's keys and values [KV, L, D] with heads
+// head_stride apart, out [T, H, D], all bf16 (a served cache) or all fp32 (the DFlash drafter's
+// cache on CPU: draft_layers). The same calls as causal_attention, so the same bits.
+void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int64_t D, const at::BFloat16* keys,
+                                const at::BFloat16* values, int64_t KV, int64_t L, int64_t head_stride, int64_t start,
+                                at::BFloat16* out) {
+  attend_rows(q, T, H, D, keys, values, KV, L, head_stride, start, out, bf16_values_chosen());
+}
+
 void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, const float* keys, const float* values,
                                int64_t KV, int64_t L, int64_t head_stride, int64_t start, float* out) {
-  if (T == 0) return;
-  const Rows<float> rows{q, start, T, H / KV, H, D, 1.0f / std::sqrt(float(D))};
-  switch (D) {
-    case 16: attend<16>(rows, keys, values, head_stride, L, KV, out, false); break;
-    case 32: attend<32>(rows, keys, values, head_stride, L, KV, out, false); break;
-    case 64: attend<64>(rows, keys, values, head_stride, L, KV, out, false); break;
-    case 128: attend<128>(rows, keys, values, head_stride, L, KV, out, false); break;
-    default: attend<256>(rows, keys, values, head_stride, L, KV, out, false); break;
-  }
+  attend_rows(q, T, H, D, keys, values, KV, L, head_stride, start, out, false);
 }
