@@ -175,6 +175,10 @@ VNNI_TARGET void int4_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
   UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int64_t tile = block * x.groups + g;
+    if constexpr (Rows >= 4) {  // several rows spend ~100 cycles a group: fetch 4 groups ahead (8 rows: -10%, Zen 4)
+      UNROLLED for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + (tile + 4) * 256 + 64 * c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (tile + 4) * 32), _MM_HINT_T0);
+    }
     __m512i w[8];
     UNROLLED for (int c = 0; c < 4; ++c) {
       __m512i bytes = _mm512_loadu_si512(codes + tile * 256 + 64 * c);
