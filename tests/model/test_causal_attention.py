@@ -47,6 +47,15 @@ def random_cache(T, H, KV, D, length, dtype, seed=0):
     return q, keys, values
 
 
+@pytest.fixture
+def threads(request):
+    """torch's thread count for the test (conftest sets 1), from the test's parameter."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
 def use(isa, monkeypatch):
     monkeypatch.setenv("DFLASH_ATTENTION_ISA", isa)
     assert extension().causal_attention_isa() == isa
@@ -68,10 +77,11 @@ def test_matches_a_float64_reference(isa, dtype, D, start, T, monkeypatch):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [16, 64, 128])
-def test_a_row_is_the_same_alone_in_a_verification_block_or_in_a_prefill_chunk(isa, dtype, D, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_a_row_is_the_same_alone_in_a_verification_block_or_in_a_prefill_chunk(isa, dtype, D, threads, monkeypatch):
     """Positions 0..599 computed as one call (prefill: many rows), in blocks of 8 (verification: few
-    rows, split over chunks), one at a time (decode), and in uneven pieces across the chunk
-    boundaries: every row bit for bit the same."""
+    rows, split over chunks, and on 2 threads over parts of the rows too), one at a time (decode),
+    and in uneven pieces across the chunk boundaries: every row bit for bit the same."""
     use(isa, monkeypatch)
     H, KV, length = 9, 3, 600
     q, keys, values = random_cache(length, H, KV, D, length + 8, dtype, seed=1)

@@ -673,13 +673,18 @@ void schedule(const Rows<QT>& rows, int64_t KV, OT* out, Partials&& partials) {
   auto output_row = [&](int64_t h, int64_t i) { return out + ((i / rows.G) * rows.H + h * rows.G + i % rows.G) * D; };
   // multiply-adds of the scores and the weighted values (rows attend to up to their position)
   const bool worth_waking = 2 * KV * R * (rows.position(R - 1) + 1) * D >= step_pool::kWorthWakingMacs;
-  if (R <= kFewRows) {  // every (head, chunk) a task, then merge per row in chunk order
+  if (R <= kFewRows) {  // every (head, chunk, part of the rows) a task, then merge per row in chunk order
     auto buffer = partial_buffer(KV * chunks * R, D);
-    step_pool::parallel_for(KV * chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t h = task / chunks, c = task % chunks;
-        partials(h, 0, R, c, buffer.get() + (h * chunks + c) * R * S);
-      }
+    // Few (head, chunk) pairs leave threads idle (a short context: 3 KV heads' one full chunk over 2
+    // threads ran 2:1), so the rows are split too, into parts enough for ~4 tasks a thread; a row's
+    // partial is the same whatever rows share its task. Full chunks first, each task claimed on its
+    // own: the last chunk is the short one.
+    const int64_t threads = at::get_num_threads();
+    const int64_t parts = threads < 2 ? 1 : std::clamp<int64_t>((4 * threads + KV * chunks - 1) / (KV * chunks), 1, R);
+    step_pool::parallel_tasks(KV * chunks * parts, [&](int64_t task) {
+      const int64_t c = task / (KV * parts), h = task / parts % KV, part = task % parts;
+      const int64_t first = part * R / parts, last = (part + 1) * R / parts;
+      if (first < last) partials(h, first, last, c, buffer.get() + ((h * chunks + c) * R + first) * S);
     }, worth_waking);
     step_pool::parallel_for(KV * R, 1, [&](int64_t begin, int64_t end) {
       auto state_buffer = partial_buffer(1, D);

@@ -190,6 +190,17 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   pool->run(n, ranges, body);
 }
 
+void parallel_tasks(int64_t n, const std::function<void(int64_t)>& task, bool worth_waking) {
+  const auto run_range = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) task(i);
+  };
+  if (n <= 0) return;
+  if (in_loop || (!holding && !worth_waking) || n == 1) return run_range(0, n);
+  if (!holding) return at::parallel_for(0, n, 1, run_range);
+  loops.fetch_add(1, std::memory_order_relaxed);
+  pool->run(n, std::min<int64_t>(n, 0xFFFF), run_range);  // one range a task: claimed one by one
+}
+
 int64_t loops_run() { return loops.load(std::memory_order_relaxed); }
 
 AwakeScope::AwakeScope() : active_(false) {

@@ -21,6 +21,10 @@ namespace step_pool {
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body,
                   bool worth_waking = true);
 
+// Runs task(i) for every i in [0, n), each task claimed on its own by whichever thread is free, so
+// tasks of unequal cost balance across threads (list the costliest first). Otherwise as parallel_for.
+void parallel_tasks(int64_t n, const std::function<void(int64_t)>& task, bool worth_waking = true);
+
 // Multiply-adds from which a loop pays for waking OpenMP's sleeping threads (measured on a 2-core
 // AMD EPYC: a 576x576 int4 matmul of one row, 0.3M, ran 30 us alone and 42 us woken on two).
 constexpr int64_t kWorthWakingMacs = int64_t(1) << 22;
