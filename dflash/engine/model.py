@@ -435,7 +435,14 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.w13(x)
+        # bf16 rows: the native decode loop's SiLU product wherever it runs, so prefill rows (here)
+        # equal decode rows (there), as RMSNorm; torch's where gradients flow or without the extension.
+        native = native_kernels()
+        if (native is not None and gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16
+                and not (torch.is_grad_enabled() and gate_up.requires_grad)):
+            return self.w2(native.silu_product(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 

@@ -70,3 +70,29 @@ def test_native_rms_norm_takes_its_fixed_sequence(width):
         normed = (row * torch.tensor(inverse, dtype=torch.float32)).bfloat16().float()
         expected.append((weight.float() * normed).bfloat16())
     assert torch.equal(extension().rms_norm(x, weight, eps), torch.stack(expected))
+
+
+@pytest.mark.parametrize("width", [1536, 13, 70])
+def test_native_silu_product_is_silu_times_up_rounded_as_torch_rounds(width, monkeypatch):
+    """silu_product(gate_up) = bf16(bf16(silu(gate)) * up) with its own exp (model.FeedForward calls it
+    for bf16 rows, as the decode loops do, so their rows agree; the loops above check that): within
+    one bf16 rounding of the float64 value, its products rounded like torch's bf16 mul, a tail
+    (width not a multiple of 8) the same bits as the same values in a full block, 16 lanes the same
+    bits as 8, and any shape."""
+    generator = torch.Generator().manual_seed(width)
+    gate = torch.cat([torch.randn(4, width, generator=generator) * 4, torch.tensor([[-100.0, 100.0, 0.0] * width])[:, :width]])
+    gate_up = torch.cat([gate, torch.randn(5, width, generator=generator)], dim=1).bfloat16()
+    out = extension().silu_product(gate_up)
+    g, up = gate_up[:, :width].double(), gate_up[:, width:]
+    silu = g / (1 + torch.exp(-g))
+    assert ((out.double() - silu * up.double()).abs() <= (silu * up.double()).abs() * 2 ** -7 + 1e-30).all()
+    ours_silu = extension().silu_product(torch.cat([gate_up[:, :width], torch.ones_like(up)], dim=1))
+    assert torch.equal(out, (ours_silu.float() * up.float()).bfloat16())  # bf16(silu) times up, one rounding
+    pad = -width % 64  # zeros before: the tail's values then sit in full blocks of 64 (and of 16, 8)
+    padded = torch.cat([torch.zeros(5, pad), gate_up[:, :width], torch.zeros(5, pad), gate_up[:, width:]], dim=1).bfloat16()
+    assert torch.equal(extension().silu_product(padded)[:, pad:], out)
+    assert torch.equal(extension().silu_product(gate_up.view(5, 1, 2 * width))[:, 0], out)
+    monkeypatch.setenv("DFLASH_SILU_LANES", "8")  # where the CPU has AVX512: its 8-lane code, the same bits
+    assert torch.equal(extension().silu_product(gate_up), out)
+    with pytest.raises(RuntimeError, match="silu_product: expected bf16"):
+        extension().silu_product(gate_up.float())

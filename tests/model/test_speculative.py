@@ -84,3 +84,14 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2) == [8, 5]
     assert drafter.propose([4, 4, 4], 5) == [4]  # the latest occurrence of [4, 4] is followed by 4
     assert NgramDrafter(min_n=2, max_n=2).propose([1, 2, 3, 4], 3) == []
+
+
+def test_ngram_is_confident_only_where_the_recent_text_repeats_an_earlier_span():
+    drafter = NgramDrafter(min_n=2, max_n=4)
+    span = list(range(100, 100 + NgramDrafter.CONFIDENT_MATCH))
+    copying = [1, 2] + span + [7, 8, 9] + [3] + span  # the span again: its continuation [7, 8, 9] is likely
+    assert drafter.confident(copying) and drafter.propose(copying, 3) == [7, 8, 9]
+    shorter = [1, 2] + span + [7, 8, 9] + [3] + span[1:]  # the same proposal, one token less repeated
+    assert NgramDrafter(min_n=2, max_n=4).propose(shorter, 3) == [7, 8, 9]
+    assert not NgramDrafter(min_n=2, max_n=4).confident(shorter)
+    assert not NgramDrafter(min_n=2, max_n=4).confident(span)  # nothing earlier to repeat

@@ -203,3 +203,42 @@ def test_a_proposal_s_own_cost_is_not_charged_to_the_verified_rows(monkeypatch):
             matched += 1
         policy.record(chosen, len(draft), matched, 0.005 + 0.010 * (1 + 0.17 * len(draft)))
     assert min(drafter.asked[-20:]) >= 4
+
+
+class SureDrafter(ScriptedDrafter):
+    """A drafter that says when it is sure of its proposal (as the n-gram drafter does while text is copied)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sure = False
+
+    def confident(self, tokens):
+        return self.sure
+
+
+def test_a_paused_drafter_proposes_where_it_is_sure_and_its_pause_ends_when_that_pays():
+    drafter = SureDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    policy.record_plain(0.010)
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), 0, 0.030)  # a failed probe: paused for PAUSE_STEPS
+    assert policy.choose([1, 2, 3]) == (None, [])
+    drafter.sure = True  # the text starts repeating an earlier span
+    chosen, draft = policy.choose([1, 2, 3])
+    assert chosen is drafter
+    policy.record(chosen, len(draft), len(draft), 0.012)  # it paid
+    drafter.sure = False
+    assert policy.choose([1, 2, 3])[0] is drafter  # no pause left
+
+
+def test_a_sure_proposal_that_fails_pauses_the_drafter_again():
+    drafter = SureDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    policy.record_plain(0.010)
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), 0, 0.030)
+    drafter.sure = True
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), 0, 0.030)
+    drafter.sure = False
+    assert all(policy.choose([1, 2, 3]) == (None, []) for _ in range(2 * SpeculationPolicy.PAUSE_STEPS - 1))

@@ -48,5 +48,19 @@ class NgramDrafter:
                 return list(tokens[follow : follow + max_tokens])
         return []
 
-    def has_match(self, tokens: Sequence[int]) -> bool:
-        return bool(self.propose(tokens, 1))
+    # Tokens the recent text must repeat of an earlier span for a proposal to be `confident`.
+    CONFIDENT_MATCH = 8
+
+    def confident(self, tokens: Sequence[int]) -> bool:
+        """Whether the last CONFIDENT_MATCH tokens repeat the span that the proposal continues: the
+        model is copying (a file echoed with an edit, a tool's output quoted), where its drafts are
+        accepted far more often than on average, so the policy lets them through a pause."""
+        if len(tokens) <= self.CONFIDENT_MATCH:
+            return False
+        self._sync(tokens)
+        for n in self.sizes:
+            follow = self._latest.get(tuple(tokens[-n:]))
+            if follow is not None and follow < len(tokens):
+                reach = min(self.CONFIDENT_MATCH, follow)
+                return reach == self.CONFIDENT_MATCH and list(tokens[follow - reach : follow]) == list(tokens[-reach:])
+        return False
