@@ -39,6 +39,7 @@ from dflash.engine.model import (
     attention_rows_invariant,
     build_transformer,
     half_linear_rows_invariant,
+    silu_description,
     with_rope_scaling,
 )
 from dflash.engine.native import extension as native_extension
@@ -213,10 +214,11 @@ def load_model(
 def numerics(dtype: str, weights: str, model) -> str:
     """What decides the bits of a cached state besides the weights themselves: a disk snapshot is
     served only to a server that would compute the same keys and values (the same dtype, weight
-    format, quantized kernels, attention kernel and how it multiplies the values, and KV dtype; the
+    format, quantized kernels, attention kernel and how it multiplies the values, KV dtype and SiLU; the
     quantized kernels give the same bits on AVX2, VNNI and AMX)."""
     kernels = quant_kernels() if weights in ("int8", "int4") else "torch"
-    return f"{dtype}/{weights}/{kernels}/attention-{attention_description(model.kv_dtype)}/kv-{str(model.kv_dtype).removeprefix('torch.')}"
+    return (f"{dtype}/{weights}/{kernels}/attention-{attention_description(model.kv_dtype)}"
+            f"/kv-{str(model.kv_dtype).removeprefix('torch.')}/silu-{silu_description(model.dtype)}")
 
 
 def release_freed_memory() -> None:

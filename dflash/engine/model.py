@@ -162,6 +162,14 @@ def attention_kernels() -> str:
 NO_SCALES = torch.empty(0)
 
 
+def silu_description(dtype: torch.dtype) -> str:
+    """Whose SiLU product a model of `dtype` runs (FeedForward, the decode loops): "ours-lanes-r1"
+    for bf16 rows where the extension is built, else "torch". They give other bits, so a disk
+    snapshot names which."""
+    native = native_kernels()
+    return f"ours-{native.silu_product_kind()}" if native is not None and dtype == torch.bfloat16 else "torch"
+
+
 def attention_description(kv_dtype: torch.dtype) -> str:
     """attention_kernels(), with how ours multiplies over a bf16 cache: "ours-avx512-bf16-r2" (bf16
     dot products where the CPU has them, in the sequence's revision 2) or "ours-avx2" (fp32 fmas;

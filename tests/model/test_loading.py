@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.engine.loading import ModelLoadError, load_model, numerics, resolve_source
-from dflash.engine.model import attention_description
+from dflash.engine.model import attention_description, silu_description
 from dflash.engine.native import extension
 from dflash.engine.quant import kernels
 from dflash.engine.sampling import SamplingParams
@@ -122,7 +122,10 @@ def test_disk_snapshots_are_keyed_by_what_decides_their_bits(monkeypatch):
     not equal what this server computes, so the cache identity names all three."""
     model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
     ours = numerics("bfloat16", "int4", model)
-    assert ours.endswith(f"/{kernels()}/attention-{attention_description(model.kv_dtype)}/kv-{str(model.kv_dtype).removeprefix('torch.')}")
+    assert ours.endswith(f"/{kernels()}/attention-{attention_description(model.kv_dtype)}/kv-{str(model.kv_dtype).removeprefix('torch.')}"
+                         f"/silu-{silu_description(model.dtype)}")
+    if extension() is not None:  # our SiLU product for bf16 rows: another exp than torch's
+        assert ours.endswith(f"/silu-ours-{extension().silu_product_kind()}")
     for attention in ("ours", "torch"):
         monkeypatch.setenv("DFLASH_ATTENTION", attention)
         assert f"/attention-{attention_description(model.kv_dtype)}/" in numerics("bfloat16", "int4", model)

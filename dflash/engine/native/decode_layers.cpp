@@ -809,6 +809,8 @@ at::Tensor draft_layers(const at::Tensor& x_in, const at::Tensor& context, const
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
+  m.def("silu_product_kind", [] { return std::string(silu_lanes_available() ? "lanes-r1" : "scalar"); },
+        "which sequence silu_product computes here (its bits: lanes, 8 or 16 alike, or std::exp)");
   m.def("silu_product", &silu_product, "model.FeedForward's silu(gate) * up over bf16 rows [..., 2I] -> [..., I]", arg("gate_up"));
   m.def("rms_norm", &rms_norm, "model.RMSNorm, row by row (bf16 or fp32)", arg("x"), arg("weight"), arg("eps"));
   m.def("vnni_available", &vnni_available, "whether this CPU has AVX512-VNNI for quantized_linear.cpp's kernels");
