@@ -162,6 +162,15 @@ def attention_kernels() -> str:
 NO_SCALES = torch.empty(0)
 
 
+def widen_to_fp32(x: Tensor) -> Tensor:
+    """x as fp32: bf16 rows on logits.cpp's one thread where built (torch's copy of a 49152-wide
+    row woke OpenMP's threads on 2 cores: 50-65 us against a few), else torch's."""
+    native = native_kernels()
+    if native is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad:
+        return native.widen_to_fp32(x)
+    return x.float()
+
+
 def silu_description(dtype: torch.dtype) -> str:
     """Whose SiLU product a model of `dtype` runs (FeedForward, the decode loops): "ours-lanes-r1"
     for bf16 rows where the extension is built, else "torch". They give other bits, so a disk
@@ -571,7 +580,7 @@ class Transformer(nn.Module):
         kv.length = end
         if logits_positions is not None:
             x = x[logits_positions]
-        logits = self.lm_head(self.norm(x)).float()
+        logits = widen_to_fp32(self.lm_head(self.norm(x)))
         if capture:
             order = {layer: i for i, layer in enumerate(sorted(capture))}
             captured = [captured[order[layer]] for layer in capture_layers]

@@ -38,6 +38,8 @@ void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int
 void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, const float* keys, const float* values,
                                int64_t KV, int64_t L, int64_t head_stride, int64_t start, float* out);
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
+at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor widen_to_fp32(const at::Tensor& x);
 bool int8_kv_available();
 int64_t int8_kv_revision();
 void quantize_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor keys, at::Tensor values, at::Tensor key_scales,
@@ -815,6 +817,8 @@ at::Tensor draft_layers(const at::Tensor& x_in, const at::Tensor& context, const
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of fp32 rows, on this thread (logits.cpp)", arg("x"));
+  m.def("widen_to_fp32", &widen_to_fp32, "bf16 -> fp32 (exact), on this thread (logits.cpp)", arg("x"));
   m.def("silu_product_kind", [] { return std::string(silu_lanes_available() ? "lanes-r1" : "scalar"); },
         "which sequence silu_product computes here (its bits: lanes, 8 or 16 alike, or std::exp)");
   m.def("silu_product", &silu_product, "model.FeedForward's silu(gate) * up over bf16 rows [..., 2I] -> [..., I]", arg("gate_up"));
