@@ -210,18 +210,20 @@ VNNI_TARGET void int8_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
 }
 
 // Rows in passes of up to MaxRows (a group's weights are loaded, and int4 ones unpacked, once per
-// pass): 8 on AVX512 (32 registers hold 8 rows' totals beside the weights), 4 on AVX2 (16).
+// pass): 8 on AVX512 (32 registers hold 8 rows' totals beside the weights), 4 on AVX2 (16). The
+// rows left after the full passes run as one pass (7 rows as 4 + 2 + 1 unpacked each group three
+// times: 7 rows cost as much as 8 on Zen 4, and the int8 LM head over a DFlash block's 7 more).
+template <int N, typename Kernel>
+void one_pass(int64_t rows, Kernel& kernel, int64_t m0) {  // a pass of `rows` (1..N) rows from m0
+  if constexpr (N > 1) {
+    if (rows < N) return one_pass<N - 1>(rows, kernel, m0);
+  }
+  kernel(std::integral_constant<int, N>{}, m0);
+}
+
 template <int MaxRows, typename Kernel>
 void row_passes(int64_t M, Kernel kernel) {
-  for (int64_t m0 = 0; m0 < M;) {
-    const int64_t left = M - m0;
-    if constexpr (MaxRows >= 8) {
-      if (left >= 8) { kernel(std::integral_constant<int, 8>{}, m0); m0 += 8; continue; }
-    }
-    if (left >= 4) { kernel(std::integral_constant<int, 4>{}, m0); m0 += 4; }
-    else if (left >= 2) { kernel(std::integral_constant<int, 2>{}, m0); m0 += 2; }
-    else { kernel(std::integral_constant<int, 1>{}, m0); m0 += 1; }
-  }
+  for (int64_t m0 = 0; m0 < M; m0 += MaxRows) one_pass<MaxRows>(std::min<int64_t>(MaxRows, M - m0), kernel, m0);
 }
 
 // ----- AVX2 (CPUs without AVX512-VNNI): the same int32 sums and the same epilogue on 8 lanes -----
