@@ -384,7 +384,7 @@ class Attention(nn.Module):
             out = native_kernels().causal_attention(q, kv.keys[layer], kv.values[layer], start)
         else:
             if row_groups is None:  # a caller running layers itself
-                row_groups = attention_row_groups(start, T, kv.max_ctx, H // KV, keys.dtype, x.device)
+                row_groups = attention_row_groups(start, T, kv.max_ctx, H // KV, kv.keys.dtype, x.device)
             out = torch.cat([
                 grouped_query_attention(q[group.rows], kv.keys[layer, :, : group.keys], kv.values[layer, :, : group.keys],
                                         group.mask)

@@ -3,6 +3,7 @@ a prefill of the kept tokens generates; the scorer's steps; caches come first.""
 
 import random
 
+import pytest
 import torch
 
 from dflash.engine.generate import Engine
@@ -30,7 +31,11 @@ def greedy(engine, prompt, n, **kwargs):
     return generation, generation.run()
 
 
-def test_compressed_generation_equals_plain_prefill_of_the_kept_tokens():
+@pytest.mark.parametrize("attention", ["ours", "torch"])
+def test_compressed_generation_equals_plain_prefill_of_the_kept_tokens(attention, monkeypatch):
+    # The scorer runs layers itself: both attention kernels (torch's is the default on AMX) must
+    # find their row groups without the engine's help.
+    monkeypatch.setenv("DFLASH_ATTENTION", attention)
     engine = make_engine()
     generation, out = greedy(engine, PROMPT, 6, protected=[TAIL])
     kept = generation.kept_positions
