@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.engine.native import extension
-from dflash.engine.quant import kernels, pack_int4, pack_int8, per_group
+from dflash.engine.quant import kernels, kernels_description, pack_int4, pack_int8, per_group
 
 pytestmark = pytest.mark.skipif(
     extension() is None or not extension().vnni_available(),
@@ -60,9 +60,11 @@ def test_avx2_vnni_and_amx_give_the_same_bits(kind, shape, monkeypatch):
         x = activations(M, K)
         avx2 = run(monkeypatch, "avx2", matmul, x, codes, scales)
         vnni = run(monkeypatch, "vnni", matmul, x, codes, scales)
-        default = run(monkeypatch, "", matmul, x, codes, scales)  # AMX from 5 rows where present
+        default = run(monkeypatch, "", matmul, x, codes, scales)  # AMX from 5 or 64 rows where present
+        amx = run(monkeypatch, "amx", matmul, x, codes, scales)  # tiles for every row count (VNNI without AMX)
         assert torch.equal(avx2, vnni), (M, (avx2.float() - vnni.float()).abs().max())
         assert torch.equal(avx2, default), (M, (avx2.float() - default.float()).abs().max())
+        assert torch.equal(avx2, amx), (M, (avx2.float() - amx.float()).abs().max())
         assert avx2.isfinite().all()
 
 
@@ -73,9 +75,14 @@ def test_the_forced_instruction_set_is_the_one_that_runs(monkeypatch):
     assert kernels() == "int8-dot"
     monkeypatch.setenv("DFLASH_INT8DOT_ISA", "vnni")
     assert native.int8dot_isa(1) == native.int8dot_isa(16) == "avx512-vnni"
+    monkeypatch.setenv("DFLASH_INT8DOT_ISA", "amx")
+    tiles = "amx" if native.amx_available() else "avx512-vnni"
+    assert native.int8dot_isa(1) == native.int8dot_isa(1, int4=True) == tiles
     monkeypatch.delenv("DFLASH_INT8DOT_ISA")
-    assert native.int8dot_isa(4) == "avx512-vnni"
-    assert native.int8dot_isa(5) == ("amx" if native.amx_available() else "avx512-vnni")
+    assert native.int8dot_isa(4) == native.int8dot_isa(63, int4=True) == "avx512-vnni"
+    assert native.int8dot_isa(5) == native.int8dot_isa(64, int4=True) == tiles
+    assert kernels_description() == ("int8-dot (VNNI; AMX from 5 rows of int8, 64 rows of int4)"
+                                     if native.amx_available() else "int8-dot (VNNI)")
 
 
 def test_avx2_results_are_the_float_matmul_up_to_quantization(monkeypatch):

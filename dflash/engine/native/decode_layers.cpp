@@ -23,7 +23,7 @@
 bool vnni_available();
 bool amx_available();
 bool int8dot_available();
-std::string int8dot_isa(int64_t rows);
+std::string int8dot_isa(int64_t rows, bool int4);
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 void quantized_matmul_into(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, int64_t N,
@@ -825,7 +825,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "model.RMSNorm, row by row (bf16 or fp32)", arg("x"), arg("weight"), arg("eps"));
   m.def("vnni_available", &vnni_available, "whether this CPU has AVX512-VNNI for quantized_linear.cpp's kernels");
   m.def("int8dot_available", &int8dot_available, "whether this CPU can run quantized_linear.cpp's kernels (AVX2)");
-  m.def("int8dot_isa", &int8dot_isa, "which instructions they use for a call with `rows` rows", arg("rows"));
+  m.def("int8dot_isa", &int8dot_isa, "which instructions they use for a call with `rows` rows of int4 or int8 weights",
+        arg("rows"), arg("int4") = false);
   m.def("amx_available", &amx_available, "whether they use AMX tiles for 5 rows or more here");
   m.def("int4_matmul", &int4_matmul, "x [M, K] bf16 . int4 weights (quant.py's layout) -> [M, N] bf16",
         arg("x"), arg("codes"), arg("scales"));

@@ -39,7 +39,12 @@ namespace {
 constexpr int64_t kChannels = 16;  // output channels per block: one vector of 16 int32/fp32
 constexpr int64_t kGroup = 32;     // inputs per group of scales
 constexpr int64_t kTileRows = 16;  // rows of x per AMX tile
-constexpr int64_t kAmxFromRows = 5;  // fewer rows run on VNNI (measured: faster there up to 4)
+// Fewer rows run on VNNI. int8: tiles pay from 5 rows. int4: VNNI unpacks a group's nibbles into
+// registers, tiles need them stored and each 32-input group's sums stored and reloaded for its
+// float epilogue; measured on a Sapphire Rapids-class AMX VM (one thread, the embedded model's 30 layers):
+// 8 rows 7.3 ms on VNNI against 11.2 on tiles, 32 rows 23.5 against 25.3, 128 rows 86 against 83.
+constexpr int64_t kAmxFromRows = 5;
+constexpr int64_t kInt4AmxFromRows = 64;
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
@@ -543,7 +548,7 @@ void amx_matmul(const QuantizedRows& x, int64_t M, const uint8_t* codes, const v
 
 enum class Isa { kAvx2, kVnni, kAmx };
 
-Isa choose_isa(int64_t M);
+Isa choose_isa(int64_t M, bool int4);
 
 void check_arguments(const at::Tensor& x, const at::Tensor& codes, int64_t bytes_per_group, const char* name) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) * codes.size(3) == bytes_per_group && codes.is_contiguous(), name,
@@ -556,7 +561,7 @@ void check_arguments(const at::Tensor& x, const at::Tensor& codes, int64_t bytes
 // y [M, N] = x [M, K] . W^T, bf16 rows in and out (contiguous), W in quant.py's layout.
 void quantized_matmul_rows(const at::BFloat16* values, int64_t M, int64_t K, const uint8_t* packed, const void* scales,
                            int64_t N, bool int4, at::BFloat16* out) {
-  const Isa isa = choose_isa(M);
+  const Isa isa = choose_isa(M, int4);
   const int64_t padded = isa == Isa::kAmx ? (M + kTileRows - 1) / kTileRows * kTileRows : M;
   const QuantizedRows rows = isa == Isa::kAvx2 ? quantize_rows_avx2(values, M, K) : quantize_rows(values, M, padded, K);
   if (isa == Isa::kAmx) {
@@ -622,27 +627,30 @@ bool amx_available() {
 }
 
 namespace {
-bool use_amx(int64_t M) {
+bool amx_allowed() {
   static const bool allowed = std::getenv("DFLASH_AMX") == nullptr || std::string(std::getenv("DFLASH_AMX")) != "0";
-  return M >= kAmxFromRows && allowed && amx_available();
+  return allowed && amx_available();
 }
 
-// Per call: AMX for 5+ rows where present, else AVX512-VNNI, else AVX2. DFLASH_INT8DOT_ISA=avx2
-// (or =vnni: no AMX) narrows the choice, read on every call so tests can compare all three in one
-// process; the results are the same bit for bit whichever runs.
-Isa choose_isa(int64_t M) {
+// Per call: AMX where present from 5 rows (int8) or 64 (int4), else AVX512-VNNI, else AVX2.
+// DFLASH_INT8DOT_ISA=avx2 (or =vnni: no AMX; =amx: AMX for any row count where present) forces one,
+// read on every call so tests can compare all three in one process; the results are the same bit
+// for bit whichever runs.
+Isa choose_isa(int64_t M, bool int4) {
   const char* forced = std::getenv("DFLASH_INT8DOT_ISA");
   const std::string wanted = forced == nullptr ? "" : forced;
   if (wanted == "avx2" || !vnni_available()) return Isa::kAvx2;
-  if (wanted == "vnni") return Isa::kVnni;
-  return use_amx(M) ? Isa::kAmx : Isa::kVnni;
+  if (wanted == "vnni" || !amx_allowed()) return Isa::kVnni;
+  if (wanted == "amx") return Isa::kAmx;
+  return M >= (int4 ? kInt4AmxFromRows : kAmxFromRows) ? Isa::kAmx : Isa::kVnni;
 }
 }  // namespace
 
-// What a call with `rows` rows runs on here: "amx", "avx512-vnni", "avx2" (or "none": no AVX2).
-std::string int8dot_isa(int64_t rows) {
+// What a call with `rows` rows (of int4 weights or int8 ones) runs on here: "amx", "avx512-vnni",
+// "avx2" (or "none": no AVX2).
+std::string int8dot_isa(int64_t rows, bool int4) {
   if (!int8dot_available()) return "none";
-  switch (choose_isa(rows)) {
+  switch (choose_isa(rows, int4)) {
     case Isa::kAmx: return "amx";
     case Isa::kVnni: return "avx512-vnni";
     default: return "avx2";
