@@ -242,3 +242,29 @@ def test_a_sure_proposal_that_fails_pauses_the_drafter_again():
     policy.record(chosen, len(draft), 0, 0.030)
     drafter.sure = False
     assert all(policy.choose([1, 2, 3]) == (None, []) for _ in range(2 * SpeculationPolicy.PAUSE_STEPS - 1))
+
+
+def test_a_probe_with_every_draft_accepted_earns_a_longer_block_not_a_pause():
+    """A short probe whose drafts were all accepted, though its own step ran slower than plain (a
+    DFlash proposal costs a fixed part of a step), grows its block instead of being paused."""
+    drafter = ScriptedDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    policy.record_plain(0.010)
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), len(draft), 0.021)  # 3 tokens in 2.1 plain steps' time
+    assert policy.choose([1, 2, 3])[0] is drafter and drafter.asked[-1] == 4
+
+
+def test_a_drafter_that_cannot_pay_even_when_always_right_is_paused():
+    drafter = ScriptedDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=2), {"ngram": drafter})
+    policy.record_plain(0.010)
+    for _ in range(3):  # every draft accepted, each verification 4 plain steps' time
+        chosen, draft = policy.choose([1, 2, 3])
+        if chosen is None:
+            policy.record_plain(0.010)
+            continue
+        policy.record(chosen, len(draft), len(draft), 0.040)
+    asked = len(drafter.asked)
+    generation(policy, 10, lambda n: n, 0.040)
+    assert len(drafter.asked) == asked  # paused
