@@ -182,8 +182,9 @@ def silu_description(dtype: torch.dtype) -> str:
 
 
 def attention_description(kv_dtype: torch.dtype) -> str:
-    """attention_kernels(), with how ours multiplies over a bf16 cache: "ours-avx512-bf16-r2" (bf16
-    dot products where the CPU has them, in the sequence's revision 2) or "ours-avx2" (fp32 fmas;
+    """attention_kernels(), with how ours multiplies over a bf16 cache: "ours-amx-bf16-r2" (AMX tiles
+    where the CPU has them), "ours-avx512-bf16-r2" (bf16 dot products where it has those, in the
+    sequence's revision 2; DFLASH_ATTENTION_ISA=avx512-bf16) or "ours-avx2" (fp32 fmas;
     DFLASH_ATTENTION_ISA=avx2). They give other bits, so a disk snapshot names which; over an fp32
     cache they are one."""
     if kv_dtype == torch.int8:
@@ -191,7 +192,7 @@ def attention_description(kv_dtype: torch.dtype) -> str:
     kernels = attention_kernels()
     if kernels == "ours" and kv_dtype == torch.bfloat16:
         isa = native_kernels().causal_attention_isa()
-        if isa == "avx512-bf16":
+        if isa in ("avx512-bf16", "amx-bf16"):
             return f"ours-{isa}-r{native_kernels().causal_attention_revision()}"
         return f"ours-{isa}"
     return kernels

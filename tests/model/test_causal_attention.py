@@ -2,10 +2,10 @@
 a float64 reference), and computes each row the same way whatever the other rows of the call, the
 position the call starts at, and whether the call runs chunk by chunk (few rows) or row block by
 row block (many rows): what lossless speculation and exact prefix-cache restores rest on. The model
-runs it wherever model.attention_kernels() says "ours" (every CPU without AMX); DFLASH_ATTENTION=ours
-makes every CPU run it here. Over a bf16 cache it multiplies the values with bf16 dot products where
-the CPU has them (AVX512-BF16), else with fp32 fmas (DFLASH_ATTENTION_ISA=avx2): both are tested
-where the CPU runs both."""
+runs it wherever model.attention_kernels() says "ours" (every CPU with AVX2 and the native build).
+Over a bf16 cache it multiplies on AMX tiles where the CPU has them (DFLASH_ATTENTION_ISA=amx-bf16),
+with bf16 dot products where it has AVX512-BF16 (=avx512-bf16), else with fp32 fmas (=avx2): each
+is tested where the CPU runs it."""
 
 import math
 
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(
     extension() is None or not extension().causal_attention_available(), reason="needs the native extension and AVX2"
 )
 
-ISAS = ["avx2", pytest.param("avx512-bf16", marks=pytest.mark.skipif(
-    extension() is None or extension().causal_attention_isa() != "avx512-bf16", reason="needs AVX512-BF16"))]
+AVAILABLE_ISAS = [] if extension() is None else extension().causal_attention_isas()
+ISAS = ["avx2"] + [pytest.param(isa, marks=pytest.mark.skipif(isa not in AVAILABLE_ISAS, reason=f"needs {isa}"))
+                   for isa in ("avx512-bf16", "amx-bf16")]
 
 CHUNK = 256  # causal_attention.cpp's kChunk: the row sets below straddle it
 FEW_ROWS = 64  # its kFewRows: up to this many query rows per KV head the call splits over chunks
@@ -105,18 +106,19 @@ def test_it_reads_only_the_keys_a_row_may_see(isa, dtype, T, monkeypatch):
     assert torch.equal(extension().causal_attention(q, keys, values, 250), clean)
 
 
-@pytest.mark.skipif(extension() is None or extension().causal_attention_isa() != "avx512-bf16", reason="needs AVX512-BF16")
+@pytest.mark.skipif("avx512-bf16" not in AVAILABLE_ISAS, reason="needs AVX512-BF16")
 def test_bf16_dot_products_are_a_sequence_of_their_own(monkeypatch):
-    """Over a bf16 cache the two ISAs round differently (so a disk snapshot names which: test_loading),
+    """Over a bf16 cache the ISAs round differently (so a disk snapshot names which: test_loading),
     over an fp32 cache they are one."""
     q, keys, values = random_cache(8, 9, 3, 64, 700, torch.bfloat16, seed=4)
     by_isa = {}
-    for isa in ("avx2", "avx512-bf16"):
+    for isa in AVAILABLE_ISAS:
         use(isa, monkeypatch)
         by_isa[isa] = (extension().causal_attention(q, keys, values, 692),
                        extension().causal_attention(q.float(), keys.float(), values.float(), 692))
-    assert not torch.equal(by_isa["avx2"][0], by_isa["avx512-bf16"][0])
-    assert torch.equal(by_isa["avx2"][1], by_isa["avx512-bf16"][1])
+    for isa in AVAILABLE_ISAS[1:]:
+        assert not torch.equal(by_isa["avx2"][0], by_isa[isa][0]), isa
+        assert torch.equal(by_isa["avx2"][1], by_isa[isa][1]), isa
 
 
 @pytest.mark.parametrize("bad", ["head_dim", "past_the_cache", "dtype"])
@@ -152,11 +154,15 @@ def test_the_model_runs_ours_where_it_is_chosen(monkeypatch):
     assert attention_rows_invariant(torch.bfloat16) and attention_rows_invariant(torch.float32)
 
 
-@pytest.mark.skipif(extension() is None or extension().causal_attention_isa() != "avx512-bf16", reason="needs AVX512-BF16")
+@pytest.mark.skipif("avx512-bf16" not in AVAILABLE_ISAS, reason="needs AVX512-BF16")
 def test_a_disk_snapshot_names_the_revision_of_the_bf16_sequence(monkeypatch):
     """The scores became bf16 dot products in revision 2: a snapshot written before (named without
-    it) must not be served to this kernel, so the name carries the revision."""
+    it) must not be served to this kernel, so the name carries the revision; AMX tiles name
+    themselves."""
     monkeypatch.setenv("DFLASH_ATTENTION", "ours")
+    if "amx-bf16" in AVAILABLE_ISAS:
+        assert attention_description(torch.bfloat16) == f"ours-amx-bf16-r{extension().causal_attention_revision()}"
+        monkeypatch.setenv("DFLASH_ATTENTION_ISA", "avx512-bf16")
     assert attention_description(torch.bfloat16) == f"ours-avx512-bf16-r{extension().causal_attention_revision()}"
     assert extension().causal_attention_revision() >= 2
     monkeypatch.setenv("DFLASH_ATTENTION_ISA", "avx2")

@@ -37,6 +37,8 @@
 #include <type_traits>
 #include <vector>
 
+bool amx_available();  // quantized_linear.cpp: AMX present and its register state granted
+
 namespace {
 
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
@@ -136,6 +138,7 @@ struct Rows {
   const QT* q;
   int64_t start, T, G, H, D;
   float scale;
+  bool amx = false;  // bf16 scores on AMX tiles (amx_scores) instead of vdpbf16ps
   int64_t count() const { return T * G; }
   int64_t position(int64_t i) const { return start + i / G; }
   const QT* query(int64_t h, int64_t i) const { return q + ((i / G) * H + h * G + i % G) * D; }
@@ -371,19 +374,186 @@ inline void with_rows(int n, F&& f) {
   f(std::integral_constant<int, NR>{});
 }
 
+// ---- AMX tiles for the scores (a bf16 cache and bf16 queries on CPUs with AMX-BF16) -----------
+//
+// Why: vdpbf16ps costs every row of a call the same work, so a 1+7-row verification paid 7x a decode
+// row's scores and a prefill chunk deep in a prompt ran at half torch's speed (its flash kernel
+// multiplies on tiles): this VM runs vdpbf16ps at 0.5 a cycle. One tdpbf16ps multiplies 16 keys by
+// 32 dimensions of up to 16 rows. A row's score for key j, the same whatever the other rows:
+//
+//   c = +0; for each 32-dimension half h of the head in order: c = tdpbf16ps's element for (key j,
+//   this row) over the half's 16 dimension pairs (the tile computes each element from its own key
+//   row and query column only); s = c * scale.
+//
+// Keys are taken 16 at a time from the chunk's start (an A tile read straight from the cache, the
+// block past `end` from a zero-padded copy); the rows' query pairs are the B tile. Head dims that are
+// not a multiple of 32 take the vdpbf16ps sequence above.
+#define AMX_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+
+bool amx_scores_available() {
+  static const bool available = cpu_has_avx512_bf16() && __builtin_cpu_supports("amx-tile") &&
+                                __builtin_cpu_supports("amx-bf16") && amx_available();
+  return available;
+}
+
+// Whether a call over a bf16 cache with bf16 queries takes its scores from tiles:
+// DFLASH_ATTENTION_ISA=avx512-bf16 (or =avx2) forces the vdpbf16ps (or fp32) sequence instead.
+bool amx_scores_chosen() {
+  const char* forced = std::getenv("DFLASH_ATTENTION_ISA");
+  if (forced != nullptr && (std::strcmp(forced, "avx2") == 0 || std::strcmp(forced, "avx512-bf16") == 0)) return false;
+  return amx_scores_available();
+}
+
+struct alignas(64) ScoreTiles {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0: the sums, 16 keys x n rows (fp32); tmm1: 16 keys x 32 dimensions (bf16); tmm2: the n rows'
+// 32 dimensions as 16 pairs x n rows.
+AMX_BF16_TARGET void load_score_tiles(int n) {
+  ScoreTiles config;
+  config.rows[0] = config.rows[1] = config.rows[2] = 16;
+  config.colsb[0] = config.colsb[2] = uint16_t(4 * n);
+  config.colsb[1] = 64;
+  asm volatile("" ::: "memory");  // the row counts must be stored before the config is read (quantized_linear.cpp)
+  _tile_loadconfig(&config);
+}
+
+// The scores of n <= 16 rows (q_rows[r], each seeing keys up to last[r]) for the keys of a chunk from
+// `begin`, 16 at a time up to the last key any of them sees, keys at or past `end` zeros: into
+// scores + r * kChunk from the chunk's first key on.
+template <int D>
+AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t* last, int n, float scale, int64_t begin,
+                                int64_t end, const at::BFloat16* keys, float* scores) {
+  static_assert(D % 32 == 0, "tiles take the head 32 dimensions at a time");
+  constexpr int H = D / 32;
+  alignas(64) uint32_t pairs[H][16][16];  // B tiles: [half][dimension pair][row]
+  alignas(64) float sums[16][16];         // [key][row]
+  alignas(64) at::BFloat16 tail[16 * D];
+  int64_t stop = begin;
+  for (int r = 0; r < n; ++r) stop = std::max(stop, last[r] + 1);
+  stop = std::min(stop, end);
+  for (int h = 0; h < H; ++h)
+    for (int k = 0; k < 16; ++k)
+      for (int r = 0; r < n; ++r) std::memcpy(&pairs[h][k][r], q_rows[r] + 32 * h + 2 * k, 4);
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __m512 scaled = _mm512_set1_ps(scale);
+  load_score_tiles(n);
+  for (int64_t j0 = begin; j0 < stop; j0 += 16) {
+    const at::BFloat16* block = keys + j0 * D;
+    if (j0 + 16 > end) {
+      std::memset(static_cast<void*>(tail), 0, sizeof(tail));
+      std::memcpy(static_cast<void*>(tail), block, sizeof(at::BFloat16) * D * (end - j0));
+      block = tail;
+    }
+    _tile_zero(0);
+    for (int h = 0; h < H; ++h) {
+      _tile_loadd(1, block + 32 * h, D * sizeof(at::BFloat16));
+      _tile_loadd(2, pairs[h], 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, sums, 64);
+    for (int r = 0; r < n; ++r) {
+      if (last[r] < j0) continue;
+      _mm512_storeu_ps(scores + r * kChunk + (j0 - begin), _mm512_mul_ps(_mm512_i32gather_ps(column, &sums[0][r], 4), scaled));
+    }
+  }
+  _tile_release();
+}
+
+// The values on tiles too, where the scores are: o = sum over tdpbf16ps's blocks of 16 key pairs from
+// the chunk's start, in order, from +0, each element computed from its own row's e pairs (e_j and
+// e_j+1 as bf16, zero past its keys: bf16_pairs) and one dimension's value pairs (zeros at or past
+// `end`). A row alone (fewer blocks) adds nothing but +0 or -0 to sums that are never -0, so it gets
+// the same bits. 4 tiles of 16 dimensions at a time hold the sums; the value pairs of a block are
+// laid out once for every row of the call.
+AMX_BF16_TARGET void load_value_tiles(int n) {
+  ScoreTiles config;
+  for (int t = 0; t < 5; ++t) {
+    config.rows[t] = uint8_t(n);
+    config.colsb[t] = 64;
+  }
+  config.rows[5] = 16;
+  config.colsb[5] = 64;
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&config);
+}
+
+template <int Tile>
+AMX_BF16_TARGET inline void value_block(const at::BFloat16* pairs) {  // tmm{Tile} += tmm4 . pairs
+  _tile_loadd(5, pairs, 64);
+  // the tile intrinsics are macros that paste their arguments into the instruction: literal numbers
+  if constexpr (Tile == 0) _tile_dpbf16ps(0, 4, 5);
+  if constexpr (Tile == 1) _tile_dpbf16ps(1, 4, 5);
+  if constexpr (Tile == 2) _tile_dpbf16ps(2, 4, 5);
+  if constexpr (Tile == 3) _tile_dpbf16ps(3, 4, 5);
+}
+
+// Rows r < n (<= 16; e + r * e_stride: their bf16 pairs, zero from their keys on up to the chunk's
+// pairs rounded up to 16) over the chunk's key pairs from `begin`, `pairs` of them: o into their
+// partials (out + r * (D + 2) + 2).
+template <int D>
+AMX_BF16_TARGET void amx_values(const int32_t* e, int64_t e_stride, int n, int64_t pairs, const at::BFloat16* values,
+                                int64_t begin, int64_t end, float* out) {
+  static_assert(D % 16 == 0, "tiles take the head 16 dimensions at a time");
+  constexpr int kGroups = D / 16;
+  alignas(64) at::BFloat16 block[kGroups][16][32];  // [16 dimensions][key pair][(v_j, v_j+1) per dimension]
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                            8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kInterleave);  // (a_d, b_d) for d < 16 of two 32-dimension vectors
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  load_value_tiles(n);
+  for (int g0 = 0; g0 < kGroups; g0 += 4) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      for (int k = 0; k < 16; ++k) {
+        const int64_t j = begin + 2 * (p0 + k);
+        for (int g = g0; g < std::min(kGroups, g0 + 4); g += 2) {  // 32 dimensions of keys j, j + 1
+          const __m512i a = j < end ? _mm512_loadu_si512(values + j * D + 16 * g) : _mm512_setzero_si512();
+          const __m512i b = j + 1 < end ? _mm512_loadu_si512(values + (j + 1) * D + 16 * g) : _mm512_setzero_si512();
+          _mm512_store_si512(block[g][k], _mm512_permutex2var_epi16(a, low, b));
+          if (g + 1 < kGroups) _mm512_store_si512(block[g + 1][k], _mm512_permutex2var_epi16(a, high, b));
+        }
+      }
+      _tile_loadd(4, e + p0, e_stride * sizeof(int32_t));
+      value_block<0>(block[g0][0]);
+      if (g0 + 1 < kGroups) value_block<1>(block[g0 + 1][0]);
+      if (g0 + 2 < kGroups) value_block<2>(block[g0 + 2][0]);
+      if (g0 + 3 < kGroups) value_block<3>(block[g0 + 3][0]);
+    }
+    const int64_t stride = (D + 2) * sizeof(float);
+    _tile_stored(0, out + 2 + 16 * g0, stride);
+    if (g0 + 1 < kGroups) _tile_stored(1, out + 2 + 16 * (g0 + 1), stride);
+    if (g0 + 2 < kGroups) _tile_stored(2, out + 2 + 16 * (g0 + 2), stride);
+    if (g0 + 3 < kGroups) _tile_stored(3, out + 2 + 16 * (g0 + 3), stride);
+  }
+  _tile_release();
+}
+
 // The values of one token's n rows (their e in scores, kChunk apart, softmax done) over `seen` keys
 // from `begin`, into their partials (D + 2 apart).
 template <int D>
 BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_t begin, int64_t end,
-                                      const at::BFloat16* values, float* out, const at::BFloat16* next_keys = nullptr) {
+                                      const at::BFloat16* values, float* out, const at::BFloat16* next_keys = nullptr,
+                                      bool amx = false) {
   constexpr int V = Bf16Values<D>::kVectors;
   alignas(64) int32_t pairs[kTokenRows][kChunk / 2];
   alignas(64) __m512 o[kTokenRows * V];
   const int32_t* e[kTokenRows];
   const int64_t count = (seen + 1) / 2;
   for (int r = 0; r < n; ++r) {
-    bf16_pairs(scores + r * kChunk, seen, pairs[r], count);
+    bf16_pairs(scores + r * kChunk, seen, pairs[r], amx ? (count + 15) / 16 * 16 : count);
     e[r] = pairs[r];
+  }
+  if constexpr (D % 16 == 0) {
+    if (amx) return amx_values<D>(pairs[0], kChunk / 2, n, count, values, begin, end, out);
   }
   with_rows<kTokenRows>(n, [&](auto k) { bf16_values_direct<D, decltype(k)::value>(e, values, begin, end, count, o, next_keys); });
   for (int r = 0; r < n; ++r) bf16_store_o<D>(o + r * V, out + r * (D + 2) + 2);
@@ -394,12 +564,24 @@ BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_
 // of interleaved pairs shared by groups of rows, each row's o in memory between blocks.
 template <int D>
 BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, float* scores, int64_t begin, int64_t end,
-                                       const at::BFloat16* values, float* out) {
+                                       const at::BFloat16* values, float* out, bool amx = false) {
   constexpr int V = Bf16Values<D>::kVectors, NR = Bf16Values<D>::kRows;
   constexpr int64_t kPairBlock = 16;
   thread_local Scratch pair_buffer, o_buffer, block_buffer;
   const int64_t pairs = (end - begin + 1) / 2;
   int32_t* const e = pair_buffer.get<int32_t>(size_t(count) * kChunk / 2);
+  if constexpr (D % 16 == 0) {
+    if (amx) {
+      int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
+      while (active < count && positions[active] < begin) ++active;
+      for (int64_t i = active; i < count; ++i)
+        bf16_pairs(scores + i * kChunk, std::min(end, positions[i] + 1) - begin, e + i * kChunk / 2, (pairs + 15) / 16 * 16);
+      for (int64_t i = active; i < count; i += 16)
+        amx_values<D>(e + i * kChunk / 2, kChunk / 2, int(std::min<int64_t>(16, count - i)), pairs, values, begin, end,
+                      out + i * (D + 2));
+      return;
+    }
+  }
   __m512* const o = o_buffer.get<__m512>(size_t(count) * V);
   __m512i* const vbuf = block_buffer.get<__m512i>(size_t(kPairBlock) * V);
   int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
@@ -426,10 +608,19 @@ BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, 
 // memory once for the NR rows (they stay in L1 for the next rows).
 template <int D, int NR>
 BF16DOT_TARGET void bf16_token_partials(const at::BFloat16* const* q_rows, float scale, int64_t seen, int64_t begin, int64_t end,
-                                        const at::BFloat16* keys, const at::BFloat16* values, float* scores, float* out) {
+                                        const at::BFloat16* keys, const at::BFloat16* values, float* scores, float* out,
+                                        bool amx) {
+  amx = amx && D % 32 == 0;
+  if constexpr (D % 32 == 0) {
+    if (amx) {
+      int64_t last[NR];
+      for (int r = 0; r < NR; ++r) last[r] = begin + seen - 1;
+      amx_scores<D>(q_rows, last, NR, scale, begin, end, keys, scores);
+    }
+  }
   __m512i q[NR][Bf16Scores<D>::kVectors];
-  UNROLLED for (int r = 0; r < NR; ++r) bf16_query<D>(q_rows[r], q[r]);
-  for (int64_t j0 = begin; j0 < begin + seen; j0 += 16) {
+  UNROLLED for (int r = 0; r < NR && !amx; ++r) bf16_query<D>(q_rows[r], q[r]);
+  for (int64_t j0 = begin; j0 < begin + seen && !amx; j0 += 16) {
     for (int64_t line = 0; line < 16 * D * 2; line += 64) {  // values into L2 for the pass after the scores
       _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
@@ -438,7 +629,7 @@ BF16DOT_TARGET void bf16_token_partials(const at::BFloat16* const* q_rows, float
       _mm512_storeu_ps(scores + r * kChunk + (j0 - begin), bf16_sixteen_scores<D>(q[r], keys, j0, end, scale));
   }
   for (int r = 0; r < NR; ++r) chunk_softmax(scores + r * kChunk, seen, Partial{out + r * (D + 2)});
-  bf16_token_values<D>(NR, scores, seen, begin, end, values, out, keys + (begin + kChunk) * D);
+  bf16_token_values<D>(NR, scores, seen, begin, end, values, out, keys + (begin + kChunk) * D, amx);
 }
 
 // The scores of rows [first, last) of several tokens (positions[i - first]) over the chunk's keys
@@ -448,6 +639,17 @@ template <int D>
 BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h, int64_t first, int64_t last, const int64_t* positions,
                                        int64_t begin, int64_t end, const at::BFloat16* keys, float* all_scores) {
   constexpr int H = Bf16Scores<D>::kVectors;
+  if constexpr (D % 32 == 0) {
+    if (rows.amx) {
+      for (int64_t i0 = first; i0 < last; i0 += 16) {  // 16 rows a tile
+        const int n = int(std::min<int64_t>(16, last - i0));
+        const at::BFloat16* q_rows[16];
+        for (int r = 0; r < n; ++r) q_rows[r] = rows.query(h, i0 + r);
+        amx_scores<D>(q_rows, positions + (i0 - first), n, rows.scale, begin, end, keys, all_scores + (i0 - first) * kChunk);
+      }
+      return;
+    }
+  }
   thread_local Scratch query_buffer;
   __m512i* const q = query_buffer.get<__m512i>(size_t(last - first) * H);
   for (int64_t i = first; i < last; ++i) bf16_query<D>(rows.query(h, i), q + (i - first) * H);
@@ -593,7 +795,8 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(p.o() + 8 * b, o[b]);
   }
   if constexpr (kBf16Values) {
-    bf16_tokens_values<D>(count, positions.get(), all_scores, begin, end, values, out);
+    bf16_tokens_values<D>(count, positions.get(), all_scores, begin, end, values, out,
+                          kBf16Scores<kBf16Values, QT, KT> && rows.amx && D % 32 == 0);
   }
 }
 
@@ -628,7 +831,7 @@ AVX2_TARGET void chunk_partials(const Rows<QT>& rows, int64_t h, int64_t first, 
         const at::BFloat16* q_rows[kTokenRows];
         for (int64_t r = 0; r < n; ++r) q_rows[r] = rows.query(h, i + r);
         with_rows<kTokenRows>(int(n), [&](auto k) {
-          bf16_token_partials<D, decltype(k)::value>(q_rows, rows.scale, seen, begin, end, keys, values, scores, partial);
+          bf16_token_partials<D, decltype(k)::value>(q_rows, rows.scale, seen, begin, end, keys, values, scores, partial, rows.amx);
         });
       } else {
         switch (n) {
@@ -954,8 +1157,20 @@ void attend_int8(const Int8Rows& q, const uint8_t* keys, const int8_t* values, c
 
 bool causal_attention_available() { return cpu_has_avx2_fma(); }
 
-// How a bf16 cache's values are multiplied: "avx512-bf16" (bf16 dot products) or "avx2" (fp32 fmas).
-std::string causal_attention_isa() { return bf16_values_chosen() ? "avx512-bf16" : "avx2"; }
+// How a bf16 cache is multiplied: "amx-bf16" (the scores on AMX tiles, the values as bf16 dot
+// products), "avx512-bf16" (both as bf16 dot products) or "avx2" (fp32 fmas).
+std::string causal_attention_isa() {
+  if (!bf16_values_chosen()) return "avx2";
+  return amx_scores_chosen() ? "amx-bf16" : "avx512-bf16";
+}
+
+// Every value DFLASH_ATTENTION_ISA may choose on this CPU.
+std::vector<std::string> causal_attention_isas() {
+  std::vector<std::string> isas{"avx2"};
+  if (cpu_has_avx512_bf16()) isas.push_back("avx512-bf16");
+  if (amx_scores_available()) isas.push_back("amx-bf16");
+  return isas;
+}
 
 // The sequence of operations over a bf16 cache, bumped whenever it changes (a disk snapshot names it,
 // loading.numerics): 1, the values as bf16 dot products; 2, the scores too.
@@ -1089,7 +1304,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
   auto run = [&](auto q_type, auto kv_type) {
     using QT = decltype(q_type);
     using KT = decltype(kv_type);
-    Rows<QT> rows{query.data_ptr<QT>(), start, T, H / KV, H, D, scale};
+    Rows<QT> rows{query.data_ptr<QT>(), start, T, H / KV, H, D, scale, bf16_values && amx_scores_chosen()};
     const KT *k = keys.data_ptr<KT>(), *v = values.data_ptr<KT>();
     KT* o = out.data_ptr<KT>();
     switch (D) {  // the head dims of the families we load; compile-time, so o[] and the loops live in registers
@@ -1116,7 +1331,7 @@ template <typename T>
 void attend_rows(const T* q, int64_t rows_count, int64_t H, int64_t D, const T* keys, const T* values, int64_t KV, int64_t L,
                  int64_t head_stride, int64_t start, T* out, bool bf16_values) {
   if (rows_count == 0) return;
-  const Rows<T> rows{q, start, rows_count, H / KV, H, D, 1.0f / std::sqrt(float(D))};
+  const Rows<T> rows{q, start, rows_count, H / KV, H, D, 1.0f / std::sqrt(float(D)), bf16_values && amx_scores_chosen()};
   switch (D) {
     case 16: attend<16>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
     case 32: attend<32>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;

@@ -31,6 +31,7 @@ void quantized_matmul_into(const at::BFloat16* x, int64_t M, int64_t K, const ui
 // causal_attention.cpp
 bool causal_attention_available();
 std::string causal_attention_isa();
+std::vector<std::string> causal_attention_isas();
 int64_t causal_attention_revision();
 void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int64_t D, const at::BFloat16* keys,
                                 const at::BFloat16* values, int64_t KV, int64_t L, int64_t head_stride, int64_t start,
@@ -836,6 +837,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode_layers calls that ran without ATen calls between the kernels so far");
   m.def("step_pool_loops", &step_pool::loops_run, "parallel loops run by step_pool.cpp's spinning workers so far");
   m.def("causal_attention_available", &causal_attention_available, "whether this CPU runs causal_attention (AVX2 + FMA)");
+  m.def("causal_attention_isas", &causal_attention_isas, "every value DFLASH_ATTENTION_ISA may choose on this CPU");
   m.def("causal_attention_isa", &causal_attention_isa,
         "what a bf16 cache is attended with: avx512-bf16 (bf16 dot products) or avx2 (DFLASH_ATTENTION_ISA=avx2 forces it)");
   m.def("causal_attention_revision", &causal_attention_revision,
