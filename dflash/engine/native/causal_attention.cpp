@@ -23,6 +23,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"
 #include "step_pool.h"
 
 #include <immintrin.h>
@@ -404,23 +405,14 @@ bool amx_scores_chosen() {
   return amx_scores_available();
 }
 
-struct alignas(64) ScoreTiles {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0: the sums, 16 keys x n rows (fp32); tmm1: 16 keys x 32 dimensions (bf16); tmm2: the n rows'
 // 32 dimensions as 16 pairs x n rows.
 AMX_BF16_TARGET void load_score_tiles(int n) {
-  ScoreTiles config;
-  config.rows[0] = config.rows[1] = config.rows[2] = 16;
-  config.colsb[0] = config.colsb[2] = uint16_t(4 * n);
-  config.colsb[1] = 64;
-  asm volatile("" ::: "memory");  // the row counts must be stored before the config is read (quantized_linear.cpp)
-  _tile_loadconfig(&config);
+  TileConfig config;
+  config.shape(0, 16, 4 * n);
+  config.shape(1, 16, 64);
+  config.shape(2, 16, 4 * n);
+  load_tiles(config);
 }
 
 // The scores of n <= 16 rows (q_rows[r], each seeing keys up to last[r]) for the keys of a chunk from
@@ -471,16 +463,11 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
 // `end`). A row alone (fewer blocks) adds nothing but +0 or -0 to sums that are never -0, so it gets
 // the same bits. 4 tiles of 16 dimensions at a time hold the sums; the value pairs of a block are
 // laid out once for every row of the call.
-AMX_BF16_TARGET void load_value_tiles(int n) {
-  ScoreTiles config;
-  for (int t = 0; t < 5; ++t) {
-    config.rows[t] = uint8_t(n);
-    config.colsb[t] = 64;
-  }
-  config.rows[5] = 16;
-  config.colsb[5] = 64;
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&config);
+AMX_BF16_TARGET void load_value_tiles(int n) {  // tmm0-3: sums, tmm4: e pairs (n rows), tmm5: value pairs
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) config.shape(t, n, 64);
+  config.shape(5, 16, 64);
+  load_tiles(config);
 }
 
 template <int Tile>

@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"
 #include "step_pool.h"
 
 #include <immintrin.h>
@@ -413,32 +414,14 @@ AVX2_TARGET void int8_avx2_sign(const QuantizedRows& x, int64_t m0, const uint8_
 
 // ----- AMX: 16 rows x 16 channels per tile, tdpbsud (signed x, unsigned codes) per group -----
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0-3: int32 sums of four channel blocks (`rows` x 16), tmm4: x (`rows` x 32 int8),
 // tmm5-7: codes (8 quads x 64 bytes), the fourth block reusing tmm5.
 AMX_TARGET void load_tile_config(int rows) {
   TileConfig config;
-  for (int t = 0; t < 4; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = rows;
-  }
-  config.colsb[4] = kGroup;
-  config.rows[4] = rows;
-  for (int t = 5; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kGroup / 4;
-  }
-  // gcc's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so without this
-  // barrier the stores of the row counts may be dropped (and the first tile instruction faults).
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&config);
+  for (int t = 0; t < 4; ++t) config.shape(t, rows, 64);
+  config.shape(4, rows, kGroup);
+  for (int t = 5; t < 8; ++t) config.shape(t, kGroup / 4, 64);
+  load_tiles(config);
 }
 
 AMX_TARGET void release_tiles() { _tile_release(); }
