@@ -139,7 +139,7 @@ struct Rows {
   const QT* q;
   int64_t start, T, G, H, D;
   float scale;
-  bool amx = false;  // bf16 scores on AMX tiles (amx_scores) instead of vdpbf16ps
+  bool amx = false;  // bf16 scores and values on AMX tiles (amx_scores, amx_values): amx_rows
   int64_t count() const { return T * G; }
   int64_t position(int64_t i) const { return start + i / G; }
   const QT* query(int64_t h, int64_t i) const { return q + ((i / G) * H + h * G + i % G) * D; }
@@ -405,6 +405,10 @@ bool amx_scores_chosen() {
   return amx_scores_available();
 }
 
+// Rows::amx for a call of head dim D whose bf16 cache takes bf16 values: tiles where chosen and the
+// head is whole 32-dimension halves (else the vdpbf16ps sequence, for every row of that model).
+bool amx_rows(bool bf16_values, int64_t D) { return bf16_values && D % 32 == 0 && amx_scores_chosen(); }
+
 // tmm0: the sums, 16 keys x n rows (fp32); tmm1: 16 keys x 32 dimensions (bf16); tmm2: the n rows'
 // 32 dimensions as 16 pairs x n rows.
 AMX_BF16_TARGET void load_score_tiles(int n) {
@@ -597,7 +601,6 @@ template <int D, int NR>
 BF16DOT_TARGET void bf16_token_partials(const at::BFloat16* const* q_rows, float scale, int64_t seen, int64_t begin, int64_t end,
                                         const at::BFloat16* keys, const at::BFloat16* values, float* scores, float* out,
                                         bool amx) {
-  amx = amx && D % 32 == 0;
   if constexpr (D % 32 == 0) {
     if (amx) {
       int64_t last[NR];
@@ -783,7 +786,7 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
   }
   if constexpr (kBf16Values) {
     bf16_tokens_values<D>(count, positions.get(), all_scores, begin, end, values, out,
-                          kBf16Scores<kBf16Values, QT, KT> && rows.amx && D % 32 == 0);
+                          kBf16Scores<kBf16Values, QT, KT> && rows.amx);
   }
 }
 
@@ -1291,7 +1294,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
   auto run = [&](auto q_type, auto kv_type) {
     using QT = decltype(q_type);
     using KT = decltype(kv_type);
-    Rows<QT> rows{query.data_ptr<QT>(), start, T, H / KV, H, D, scale, bf16_values && amx_scores_chosen()};
+    Rows<QT> rows{query.data_ptr<QT>(), start, T, H / KV, H, D, scale, amx_rows(bf16_values, D)};
     const KT *k = keys.data_ptr<KT>(), *v = values.data_ptr<KT>();
     KT* o = out.data_ptr<KT>();
     switch (D) {  // the head dims of the families we load; compile-time, so o[] and the loops live in registers
@@ -1318,7 +1321,7 @@ template <typename T>
 void attend_rows(const T* q, int64_t rows_count, int64_t H, int64_t D, const T* keys, const T* values, int64_t KV, int64_t L,
                  int64_t head_stride, int64_t start, T* out, bool bf16_values) {
   if (rows_count == 0) return;
-  const Rows<T> rows{q, start, rows_count, H / KV, H, D, 1.0f / std::sqrt(float(D)), bf16_values && amx_scores_chosen()};
+  const Rows<T> rows{q, start, rows_count, H / KV, H, D, 1.0f / std::sqrt(float(D)), amx_rows(bf16_values, D)};
   switch (D) {
     case 16: attend<16>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
     case 32: attend<32>(rows, keys, values, head_stride, L, KV, out, bf16_values); break;
