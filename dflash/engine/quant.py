@@ -62,23 +62,19 @@ def kernels() -> str:
 def kernels_description() -> str:
     """For the start-up log: which kernels, and which instructions ours use for few and many rows
     of int8 weights (the LM head in both formats) and of int4 ones, e.g.
-    "int8-dot (VNNI; AMX from 5 rows of int8, 64 rows of int4)"."""
+    "int8-dot (VNNI; AMX from 5 rows of int8; AMX from 64 rows of int4)"."""
     name = kernels()
     if name == "torch":
         return name
     native = native_extension()
     names = {"avx512-vnni": "VNNI", "amx": "AMX", "avx2": "AVX2"}
     few = native.int8dot_isa(1)
-    starts = {}  # where each format's many-row instructions take over
+    pieces = []  # where each format's many-row instructions take over
     for int4, label in ((False, "int8"), (True, "int4")):
-        rows = next((rows for rows in (2, 4, 5, 8, 16, 32, 64, 128) if native.int8dot_isa(rows, int4) != few), None)
+        rows = next((rows for rows in range(2, 129) if native.int8dot_isa(rows, int4) != few), None)
         if rows is not None:
-            starts[label] = (native.int8dot_isa(rows, int4), rows)
-    if not starts:
-        return f"{name} ({names[few]})"
-    many = {isa for isa, _ in starts.values()}
-    pieces = ", ".join(f"{rows} rows of {label}" for label, (_, rows) in starts.items())
-    return f"{name} ({names[few]}; {'/'.join(names[isa] for isa in sorted(many))} from {pieces})"
+            pieces.append(f"{names[native.int8dot_isa(rows, int4)]} from {rows} rows of {label}")
+    return f"{name} ({'; '.join([names[few], *pieces])})"
 
 
 def kernels_for(weight: Tensor) -> str:

@@ -81,7 +81,7 @@ def test_the_forced_instruction_set_is_the_one_that_runs(monkeypatch):
     monkeypatch.delenv("DFLASH_INT8DOT_ISA")
     assert native.int8dot_isa(4) == native.int8dot_isa(63, int4=True) == "avx512-vnni"
     assert native.int8dot_isa(5) == native.int8dot_isa(64, int4=True) == tiles
-    assert kernels_description() == ("int8-dot (VNNI; AMX from 5 rows of int8, 64 rows of int4)"
+    assert kernels_description() == ("int8-dot (VNNI; AMX from 5 rows of int8; AMX from 64 rows of int4)"
                                      if native.amx_available() else "int8-dot (VNNI)")
 
 
