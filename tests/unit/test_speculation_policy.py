@@ -1,6 +1,8 @@
 """The speculation policy: measure plain decoding first, shrink the block on low acceptance,
 pause (with growing pauses) when speculating measures slower than plain decoding."""
 
+import time
+
 from dflash.engine.speculative import (
     SpeculationConfig,
     SpeculationMemory,
@@ -244,14 +246,23 @@ def test_a_sure_proposal_that_fails_pauses_the_drafter_again():
     assert all(policy.choose([1, 2, 3]) == (None, []) for _ in range(2 * SpeculationPolicy.PAUSE_STEPS - 1))
 
 
+class SlowProposer(ScriptedDrafter):
+    """Its proposal costs 2 plain steps whatever the block, as a DFlash forward costs a fixed part of one."""
+
+    def propose(self, tokens, max_tokens):
+        time.sleep(0.020)
+        return super().propose(tokens, max_tokens)
+
+
 def test_a_probe_with_every_draft_accepted_earns_a_longer_block_not_a_pause():
-    """A short probe whose drafts were all accepted, though its own step ran slower than plain (a
-    DFlash proposal costs a fixed part of a step), grows its block instead of being paused."""
-    drafter = ScriptedDrafter()
+    """A short probe whose drafts were all accepted, though its own step ran slower than plain (3
+    tokens in 3.5 plain steps' time, 2 of them the proposal's), grows its block instead of being
+    paused: the verified rows were cheap, so longer blocks pay."""
+    drafter = SlowProposer()
     policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
     policy.record_plain(0.010)
     chosen, draft = policy.choose([1, 2, 3])
-    policy.record(chosen, len(draft), len(draft), 0.021)  # 3 tokens in 2.1 plain steps' time
+    policy.record(chosen, len(draft), len(draft), 0.035)
     assert policy.choose([1, 2, 3])[0] is drafter and drafter.asked[-1] == 4
 
 
