@@ -7,6 +7,7 @@ float32, bfloat16 and, where the CPU has AVX512-VNNI, int8 (kv.Int8KVCache's cod
 causal_attention_int8; torch has no kernel for them).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/attention.py [--threads 1] [--caches bfloat16,int8]
+    DFLASH_ATTENTION_ISA=avx512-bf16 ... bench/attention.py   # on AMX CPUs: without tiles, to compare
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def main() -> None:
     if native is None or not native.causal_attention_available():
         raise SystemExit("needs the native extension (make install) and an AVX2 CPU")
     print(f"\ncpu={cpu_kind()}  threads={args.threads}  torch {torch.__version__}  (ms per layer, best of 20 or 3)  "
-          f"bf16 values by {native.causal_attention_isa()} (DFLASH_ATTENTION_ISA=avx2 forces fp32 fmas)")
+          f"bf16 cache by {native.causal_attention_isa()} (DFLASH_ATTENTION_ISA=avx512-bf16|avx2 forces bf16 dot "
+          f"products | fp32 fmas where AMX tiles are the default)")
     print("| cpu | cache | case | ours | torch |")
     print("|---|---|---|---|---|")
     for name in args.caches.split(","):
