@@ -121,6 +121,52 @@ def test_bf16_dot_products_are_a_sequence_of_their_own(monkeypatch):
         assert torch.equal(by_isa["avx2"][1], by_isa[isa][1]), isa
 
 
+SOFTMAX_ISAS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(
+    extension() is None or "avx512" not in extension().chunk_softmax_isas(), reason="needs AVX512F/DQ"))]
+
+
+def softmax_cases():
+    """Rows of scores over every visible count 1..256 (whole vectors of 8 and 16, and each tail), with
+    the values past a row's keys left as garbage that must not count."""
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randn(2 * CHUNK, CHUNK, generator=generator) * 6
+    seen = torch.cat([torch.arange(1, CHUNK + 1), torch.arange(1, CHUNK + 1).flip(0)])
+    return scores, seen
+
+
+@pytest.mark.parametrize("isa", SOFTMAX_ISAS)
+def test_the_chunk_softmax_is_a_softmax_over_the_keys_a_row_sees(isa):
+    scores, seen = softmax_cases()
+    e, m, l = extension().softmax_rows(scores, seen, isa)
+    for r, n in enumerate(seen.tolist()):
+        assert m[r] == scores[r, :n].max()
+        expected = (scores[r, :n].double() - m[r].double()).exp()
+        torch.testing.assert_close(e[r, :n].double(), expected, rtol=2e-6, atol=1e-30)
+        assert torch.all(e[r, n : (n + 7) // 8 * 8] == 0)
+        torch.testing.assert_close(l[r].double(), expected.sum(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(extension() is None or "avx512" not in extension().chunk_softmax_isas(), reason="needs AVX512F/DQ")
+def test_the_wide_chunk_softmax_gives_the_same_bits_as_the_avx2_one():
+    """Attention chooses the AVX512 softmax where the CPU has it; a disk snapshot made on an AVX2-only
+    CPU of the same kernel revision must still hold the bits this one computes, so both are one
+    sequence: the max in any order, exp lane by lane, l summed on 8 lanes in key order."""
+    scores, seen = softmax_cases()
+    narrow, wide = extension().softmax_rows(scores, seen, "avx2"), extension().softmax_rows(scores, seen, "avx512")
+    for r, n in enumerate(seen.tolist()):
+        padded = (n + 7) // 8 * 8
+        assert torch.equal(narrow[0][r, :padded], wide[0][r, :padded]), n
+    assert torch.equal(narrow[1], wide[1]) and torch.equal(narrow[2], wide[2])
+
+
+def test_a_bad_softmax_call_says_what_is_wrong():
+    scores, seen = softmax_cases()
+    with pytest.raises(RuntimeError, match="isa sse"):
+        extension().softmax_rows(scores, seen, "sse")
+    with pytest.raises(RuntimeError, match=r"seen\[0\] = 0"):
+        extension().softmax_rows(scores[:1], torch.zeros(1, dtype=torch.long), "avx2")
+
+
 @pytest.mark.parametrize("bad", ["head_dim", "past_the_cache", "dtype"])
 def test_bad_shapes_are_errors_that_say_what(bad):
     q, keys, values = random_cache(2, 4, 2, 64, 16, torch.float32)

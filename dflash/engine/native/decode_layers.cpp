@@ -33,6 +33,8 @@ bool causal_attention_available();
 std::string causal_attention_isa();
 std::vector<std::string> causal_attention_isas();
 int64_t causal_attention_revision();
+std::vector<std::string> chunk_softmax_isas();
+std::vector<at::Tensor> softmax_rows(const at::Tensor& scores, const at::Tensor& seen, const std::string& isa);
 void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int64_t D, const at::BFloat16* keys,
                                 const at::BFloat16* values, int64_t KV, int64_t L, int64_t head_stride, int64_t start,
                                 at::BFloat16* out);
@@ -840,6 +842,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention_isas", &causal_attention_isas, "every value DFLASH_ATTENTION_ISA may choose on this CPU");
   m.def("causal_attention_isa", &causal_attention_isa,
         "what a bf16 cache is attended with: avx512-bf16 (bf16 dot products) or avx2 (DFLASH_ATTENTION_ISA=avx2 forces it)");
+  m.def("chunk_softmax_isas", &chunk_softmax_isas, "the softmax implementations causal_attention.cpp has here (same bits)");
+  m.def("softmax_rows", &softmax_rows, "causal_attention.cpp's chunk softmax over rows [R, 256] with one implementation -> (e, m, l)",
+        arg("scores"), arg("seen"), arg("isa"));
   m.def("causal_attention_revision", &causal_attention_revision,
         "the revision of the sequence of operations over a bf16 cache (bumped when its bits change)");
   m.def("causal_attention", &causal_attention,
