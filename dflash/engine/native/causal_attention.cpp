@@ -49,7 +49,12 @@ namespace {
 constexpr int64_t kChunk = 256;      // key positions per partial; fixed, so results never depend on it
 constexpr int64_t kMaxDim = 256;     // the largest head_dim served
 constexpr int64_t kFewRows = 64;     // up to this many query rows per KV head: parallel over chunks
-constexpr int64_t kTokensPerTask = 4;  // many rows: tokens per task (x G query heads)
+// Many rows: tokens per task (x G query heads). Each task reads every key and value it sees once per
+// chunk for all its rows, so a prefill chunk at depth reads the cache R / (16 G) times, not R / (4 G):
+// bench/attention.py, 1 thread, prefill 256 at 16K on an AMX VM: 83 -> 50 ms a layer on tiles (48 rows
+// are 3 whole tiles), 164 -> 150 on bf16 dot products, 199 -> 171 over an fp32 cache. A row's
+// partials and their merge order do not depend on the rows beside it, so neither do its bits.
+constexpr int64_t kTokensPerTask = 16;
 constexpr int64_t kPrefetchKeys = 32;  // keys (and values) ahead that are prefetched
 constexpr int kTokenRows = 3;          // rows of one token sharing each key and value load (decode)
 
@@ -488,14 +493,70 @@ bool amx_scores_chosen() {
 // head is whole 32-dimension halves (else the vdpbf16ps sequence, for every row of that model).
 bool amx_rows(bool bf16_values, int64_t D) { return bf16_values && D % 32 == 0 && amx_scores_chosen(); }
 
-// tmm0: the sums, 16 keys x n rows (fp32); tmm1: 16 keys x 32 dimensions (bf16); tmm2: the n rows'
-// 32 dimensions as 16 pairs x n rows.
+// Two sets of tiles, so that one block of 16 keys multiplies while the scores of the block before
+// are gathered (a block's tile operations, then its gathers, one after the other kept the AMX unit
+// and the vector unit waiting on each other: bench/attention.py, prefill 256 at 16K). Set s: tmm{3s}
+// the sums, 16 keys x n rows (fp32), tmm{3s+1} 16 keys x 32 dimensions (bf16); tmm2 and tmm5: the n
+// rows' dimensions 0-31 and 32-63 as 16 pairs x n rows, loaded once where the head has at most 64
+// (tmm2 reloaded per half for a wider head).
 AMX_BF16_TARGET void load_score_tiles(int n) {
   TileConfig config;
-  config.shape(0, 16, 4 * n);
-  config.shape(1, 16, 64);
-  config.shape(2, 16, 4 * n);
+  for (int set = 0; set < 2; ++set) {
+    config.shape(3 * set, 16, 4 * n);
+    config.shape(3 * set + 1, 16, 64);
+    config.shape(3 * set + 2, 16, 4 * n);
+  }
   load_tiles(config);
+}
+
+// The sums of block `block` (16 keys from `keys_block`) into tile set `Set` and `sums`.
+template <int D, int Set>
+AMX_BF16_TARGET inline void score_block(const at::BFloat16* keys_block, const uint32_t (*pairs)[16][16], float* sums) {
+  constexpr int H = D / 32;
+  constexpr int64_t stride = D * sizeof(at::BFloat16);
+  // the tile intrinsics paste their arguments into the instruction: literal tile numbers only
+  if constexpr (Set == 0) {
+    _tile_zero(0);
+    _tile_loadd(1, keys_block, stride);
+    if constexpr (H > 2) _tile_loadd(2, pairs[0], 64);
+    _tile_dpbf16ps(0, 1, 2);
+    for (int h = 1; h < H; ++h) {
+      _tile_loadd(1, keys_block + 32 * h, stride);
+      if (H <= 2) {
+        _tile_dpbf16ps(0, 1, 5);
+      } else {
+        _tile_loadd(2, pairs[h], 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+    }
+    _tile_stored(0, sums, 64);
+  } else {
+    _tile_zero(3);
+    _tile_loadd(4, keys_block, stride);
+    if constexpr (H > 2) _tile_loadd(2, pairs[0], 64);
+    _tile_dpbf16ps(3, 4, 2);
+    for (int h = 1; h < H; ++h) {
+      _tile_loadd(4, keys_block + 32 * h, stride);
+      if (H <= 2) {
+        _tile_dpbf16ps(3, 4, 5);
+      } else {
+        _tile_loadd(2, pairs[h], 64);
+        _tile_dpbf16ps(3, 4, 2);
+      }
+    }
+    _tile_stored(3, sums, 64);
+  }
+}
+
+// Block sums [key][row] of the keys from j0 -> each row's 16 scores (times `scale`) at out + r * kChunk.
+AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const int64_t* last, int n, int64_t j0, float scale,
+                                          float* out) {
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int r = 0; r < n; ++r) {
+    if (last[r] < j0) continue;
+    _mm512_storeu_ps(out + r * kChunk, _mm512_mul_ps(_mm512_i32gather_ps(column, &block_sums[0][r], 4), scaled));
+  }
 }
 
 // The scores of n <= 16 rows (q_rows[r], each seeing keys up to last[r]) for the keys of a chunk from
@@ -507,7 +568,7 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
   static_assert(D % 32 == 0, "tiles take the head 32 dimensions at a time");
   constexpr int H = D / 32;
   alignas(64) uint32_t pairs[H][16][16];  // B tiles: [half][dimension pair][row]
-  alignas(64) float sums[16][16];         // [key][row]
+  alignas(64) float sums[2][16][16];      // [set][key][row]
   alignas(64) at::BFloat16 tail[16 * D];
   int64_t stop = begin;
   for (int r = 0; r < n; ++r) stop = std::max(stop, last[r] + 1);
@@ -515,28 +576,25 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
   for (int h = 0; h < H; ++h)
     for (int k = 0; k < 16; ++k)
       for (int r = 0; r < n; ++r) std::memcpy(&pairs[h][k][r], q_rows[r] + 32 * h + 2 * k, 4);
-  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  const __m512 scaled = _mm512_set1_ps(scale);
   load_score_tiles(n);
-  for (int64_t j0 = begin; j0 < stop; j0 += 16) {
-    const at::BFloat16* block = keys + j0 * D;
-    if (j0 + 16 > end) {
-      std::memset(static_cast<void*>(tail), 0, sizeof(tail));
-      std::memcpy(static_cast<void*>(tail), block, sizeof(at::BFloat16) * D * (end - j0));
-      block = tail;
-    }
-    _tile_zero(0);
-    for (int h = 0; h < H; ++h) {
-      _tile_loadd(1, block + 32 * h, D * sizeof(at::BFloat16));
-      _tile_loadd(2, pairs[h], 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, sums, 64);
-    for (int r = 0; r < n; ++r) {
-      if (last[r] < j0) continue;
-      _mm512_storeu_ps(scores + r * kChunk + (j0 - begin), _mm512_mul_ps(_mm512_i32gather_ps(column, &sums[0][r], 4), scaled));
-    }
+  if constexpr (H <= 2) {
+    _tile_loadd(2, pairs[0], 64);
+    if constexpr (H == 2) _tile_loadd(5, pairs[1], 64);
   }
+  auto block_keys = [&](int64_t j0) {  // keys j0.., the ones at or past `end` as zeros
+    if (j0 + 16 <= end) return keys + j0 * D;
+    std::memset(static_cast<void*>(tail), 0, sizeof(tail));
+    std::memcpy(static_cast<void*>(tail), keys + j0 * D, sizeof(at::BFloat16) * D * (end - j0));
+    return static_cast<const at::BFloat16*>(tail);
+  };
+  auto gather = [&](int64_t j0, const float (*block_sums)[16]) { gather_scores(block_sums, last, n, j0, scale, scores + (j0 - begin)); };
+  int64_t block = 0;
+  for (int64_t j0 = begin; j0 < stop; j0 += 16, ++block) {
+    if (block % 2 == 0) score_block<D, 0>(block_keys(j0), pairs, &sums[0][0][0]);
+    else score_block<D, 1>(block_keys(j0), pairs, &sums[1][0][0]);
+    if (block > 0) gather(j0 - 16, sums[(block - 1) % 2]);
+  }
+  if (block > 0) gather(begin + 16 * (block - 1), sums[(block - 1) % 2]);
   _tile_release();
 }
 
@@ -563,19 +621,38 @@ AMX_BF16_TARGET inline void value_block(const at::BFloat16* pairs) {  // tmm{Til
   if constexpr (Tile == 3) _tile_dpbf16ps(3, 4, 5);
 }
 
-// Rows r < n (<= 16; e + r * e_stride: their bf16 pairs, zero from their keys on up to the chunk's
-// pairs rounded up to 16) over the chunk's key pairs from `begin`, `pairs` of them: o into their
-// partials (out + r * (D + 2) + 2).
+// The chunk's value pairs from `begin`, `pairs` of them (zeros at or past `end`), laid out for the
+// tiles: block b of 16 pairs, 16 dimensions g at a time, at out + ((b * D / 16 + g) * 16 + k) * 32,
+// (v_j, v_j+1) per dimension for pair k. Done once per chunk for every group of 16 rows (a prefill's
+// 768 rows of a KV head are 48 groups: each laid the same values out again before).
 template <int D>
-AMX_BF16_TARGET void amx_values(const int32_t* e, int64_t e_stride, int n, int64_t pairs, const at::BFloat16* values,
-                                int64_t begin, int64_t end, float* out) {
-  static_assert(D % 16 == 0, "tiles take the head 16 dimensions at a time");
+AMX_BF16_TARGET void amx_value_blocks(int64_t pairs, const at::BFloat16* values, int64_t begin, int64_t end, at::BFloat16* out) {
   constexpr int kGroups = D / 16;
-  alignas(64) at::BFloat16 block[kGroups][16][32];  // [16 dimensions][key pair][(v_j, v_j+1) per dimension]
   alignas(64) static constexpr uint16_t kInterleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i low = _mm512_load_si512(kInterleave);  // (a_d, b_d) for d < 16 of two 32-dimension vectors
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    at::BFloat16* block = out + (p0 / 16) * kGroups * 16 * 32;
+    for (int k = 0; k < 16; ++k) {
+      const int64_t j = begin + 2 * (p0 + k);
+      for (int g = 0; g < kGroups; g += 2) {  // 32 dimensions of keys j, j + 1
+        const __m512i a = j < end ? _mm512_loadu_si512(values + j * D + 16 * g) : _mm512_setzero_si512();
+        const __m512i b = j + 1 < end ? _mm512_loadu_si512(values + (j + 1) * D + 16 * g) : _mm512_setzero_si512();
+        _mm512_store_si512(block + (g * 16 + k) * 32, _mm512_permutex2var_epi16(a, low, b));
+        if (g + 1 < kGroups) _mm512_store_si512(block + ((g + 1) * 16 + k) * 32, _mm512_permutex2var_epi16(a, high, b));
+      }
+    }
+  }
+}
+
+// Rows r < n (<= 16; e + r * e_stride: their bf16 pairs, zero from their keys on up to the chunk's
+// pairs rounded up to 16) over the chunk's key pairs, `pairs` of them, laid out by amx_value_blocks:
+// o into their partials (out + r * (D + 2) + 2).
+template <int D>
+AMX_BF16_TARGET void amx_values(const int32_t* e, int64_t e_stride, int n, int64_t pairs, const at::BFloat16* blocks, float* out) {
+  static_assert(D % 16 == 0, "tiles take the head 16 dimensions at a time");
+  constexpr int kGroups = D / 16;
   load_value_tiles(n);
   for (int g0 = 0; g0 < kGroups; g0 += 4) {
     _tile_zero(0);
@@ -583,20 +660,12 @@ AMX_BF16_TARGET void amx_values(const int32_t* e, int64_t e_stride, int n, int64
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      for (int k = 0; k < 16; ++k) {
-        const int64_t j = begin + 2 * (p0 + k);
-        for (int g = g0; g < std::min(kGroups, g0 + 4); g += 2) {  // 32 dimensions of keys j, j + 1
-          const __m512i a = j < end ? _mm512_loadu_si512(values + j * D + 16 * g) : _mm512_setzero_si512();
-          const __m512i b = j + 1 < end ? _mm512_loadu_si512(values + (j + 1) * D + 16 * g) : _mm512_setzero_si512();
-          _mm512_store_si512(block[g][k], _mm512_permutex2var_epi16(a, low, b));
-          if (g + 1 < kGroups) _mm512_store_si512(block[g + 1][k], _mm512_permutex2var_epi16(a, high, b));
-        }
-      }
+      const at::BFloat16* block = blocks + (p0 / 16) * kGroups * 16 * 32;
       _tile_loadd(4, e + p0, e_stride * sizeof(int32_t));
-      value_block<0>(block[g0][0]);
-      if (g0 + 1 < kGroups) value_block<1>(block[g0 + 1][0]);
-      if (g0 + 2 < kGroups) value_block<2>(block[g0 + 2][0]);
-      if (g0 + 3 < kGroups) value_block<3>(block[g0 + 3][0]);
+      value_block<0>(block + g0 * 16 * 32);
+      if (g0 + 1 < kGroups) value_block<1>(block + (g0 + 1) * 16 * 32);
+      if (g0 + 2 < kGroups) value_block<2>(block + (g0 + 2) * 16 * 32);
+      if (g0 + 3 < kGroups) value_block<3>(block + (g0 + 3) * 16 * 32);
     }
     const int64_t stride = (D + 2) * sizeof(float);
     _tile_stored(0, out + 2 + 16 * g0, stride);
@@ -623,7 +692,12 @@ BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_
     e[r] = pairs[r];
   }
   if constexpr (D % 16 == 0) {
-    if (amx) return amx_values<D>(pairs[0], kChunk / 2, n, count, values, begin, end, out);
+    if (amx) {
+      thread_local Scratch block_buffer;  // the chunk's pairs (rounded up to 16) for the tiles
+      at::BFloat16* const blocks = block_buffer.get<at::BFloat16>(size_t(kChunk) * D);
+      amx_value_blocks<D>(count, values, begin, end, blocks);
+      return amx_values<D>(pairs[0], kChunk / 2, n, count, blocks, out);
+    }
   }
   with_rows<kTokenRows>(n, [&](auto k) { bf16_values_direct<D, decltype(k)::value>(e, values, begin, end, count, o, next_keys); });
   for (int r = 0; r < n; ++r) bf16_store_o<D>(o + r * V, out + r * (D + 2) + 2);
@@ -646,9 +720,10 @@ BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, 
       while (active < count && positions[active] < begin) ++active;
       for (int64_t i = active; i < count; ++i)
         bf16_pairs(scores + i * kChunk, std::min(end, positions[i] + 1) - begin, e + i * kChunk / 2, (pairs + 15) / 16 * 16);
+      at::BFloat16* const blocks = block_buffer.get<at::BFloat16>(size_t(kChunk) * D);  // 16-pair blocks
+      amx_value_blocks<D>(pairs, values, begin, end, blocks);
       for (int64_t i = active; i < count; i += 16)
-        amx_values<D>(e + i * kChunk / 2, kChunk / 2, int(std::min<int64_t>(16, count - i)), pairs, values, begin, end,
-                      out + i * (D + 2));
+        amx_values<D>(e + i * kChunk / 2, kChunk / 2, int(std::min<int64_t>(16, count - i)), pairs, blocks, out + i * (D + 2));
       return;
     }
   }
