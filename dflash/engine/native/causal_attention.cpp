@@ -564,7 +564,7 @@ AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const i
 // scores + r * kChunk from the chunk's first key on.
 template <int D>
 AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t* last, int n, float scale, int64_t begin,
-                                int64_t end, const at::BFloat16* keys, float* scores) {
+                                int64_t end, const at::BFloat16* keys, const at::BFloat16* values, float* scores) {
   static_assert(D % 32 == 0, "tiles take the head 32 dimensions at a time");
   constexpr int H = D / 32;
   alignas(64) uint32_t pairs[H][16][16];  // B tiles: [half][dimension pair][row]
@@ -590,6 +590,13 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
   auto gather = [&](int64_t j0, const float (*block_sums)[16]) { gather_scores(block_sums, last, n, j0, scale, scores + (j0 - begin)); };
   int64_t block = 0;
   for (int64_t j0 = begin; j0 < stop; j0 += 16, ++block) {
+    // Tile loads are not prefetched by the hardware at a decode row's pace (a cache at depth streams
+    // from memory): the keys kPrefetchKeys ahead into L1, the values this block's into L2 for the
+    // pass after the softmax.
+    for (int64_t line = 0; line < 16 * D * 2; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
+    }
     if (block % 2 == 0) score_block<D, 0>(block_keys(j0), pairs, &sums[0][0][0]);
     else score_block<D, 1>(block_keys(j0), pairs, &sums[1][0][0]);
     if (block > 0) gather(j0 - 16, sums[(block - 1) % 2]);
@@ -759,7 +766,7 @@ BF16DOT_TARGET void bf16_token_partials(const at::BFloat16* const* q_rows, float
     if (amx) {
       int64_t last[NR];
       for (int r = 0; r < NR; ++r) last[r] = begin + seen - 1;
-      amx_scores<D>(q_rows, last, NR, scale, begin, end, keys, scores);
+      amx_scores<D>(q_rows, last, NR, scale, begin, end, keys, values, scores);
     }
   }
   __m512i q[NR][Bf16Scores<D>::kVectors];
@@ -781,7 +788,8 @@ BF16DOT_TARGET void bf16_token_partials(const at::BFloat16* const* q_rows, float
 // memory once for every row that sees it, each score the same bits as bf16_token_partials'.
 template <int D>
 BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h, int64_t first, int64_t last, const int64_t* positions,
-                                       int64_t begin, int64_t end, const at::BFloat16* keys, float* all_scores) {
+                                       int64_t begin, int64_t end, const at::BFloat16* keys, const at::BFloat16* values,
+                                       float* all_scores) {
   constexpr int H = Bf16Scores<D>::kVectors;
   if constexpr (D % 32 == 0) {
     if (rows.amx) {
@@ -789,7 +797,7 @@ BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h
         const int n = int(std::min<int64_t>(16, last - i0));
         const at::BFloat16* q_rows[16];
         for (int r = 0; r < n; ++r) q_rows[r] = rows.query(h, i0 + r);
-        amx_scores<D>(q_rows, positions + (i0 - first), n, rows.scale, begin, end, keys, all_scores + (i0 - first) * kChunk);
+        amx_scores<D>(q_rows, positions + (i0 - first), n, rows.scale, begin, end, keys, values, all_scores + (i0 - first) * kChunk);
       }
       return;
     }
@@ -894,7 +902,7 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     const QT* q = rows.query(h, i);
     UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(queries + (i - first) * D + 8 * b, load8(q + 8 * b));
   }
-  if constexpr (kBf16Scores<kBf16Values, QT, KT>) bf16_tokens_scores<D>(rows, h, first, last, positions.get(), begin, end, keys, all_scores);
+  if constexpr (kBf16Scores<kBf16Values, QT, KT>) bf16_tokens_scores<D>(rows, h, first, last, positions.get(), begin, end, keys, values, all_scores);
   // scores, 8 keys at a time; the block past the cache's end reads zero-padded copies
   for (int64_t j0 = begin; j0 < end && !kBf16Scores<kBf16Values, QT, KT>; j0 += 8) {
     UNROLLED for (int k = 0; k < 8; ++k) {
