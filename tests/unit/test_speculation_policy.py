@@ -246,6 +246,20 @@ def test_a_sure_proposal_that_fails_pauses_the_drafter_again():
     assert all(policy.choose([1, 2, 3]) == (None, []) for _ in range(2 * SpeculationPolicy.PAUSE_STEPS - 1))
 
 
+def test_a_drafter_sure_of_its_proposal_asks_before_one_measured_faster():
+    fast, copier = Named("dflash"), SureDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="auto", max_draft_tokens=4), {"dflash": fast, "ngram": copier})
+    policy.record_plain(0.010)
+    for _ in range(6):  # both pay; the DFlash stand-in twice as much
+        drafter, draft = policy.choose([1, 2, 3])
+        policy.record(drafter, len(draft), len(draft), 0.012 if drafter is fast else 0.024)
+    assert policy.choose([1, 2, 3])[0] is fast
+    copier.sure = True  # the text starts repeating an earlier span: the copier asks first
+    assert policy.choose([1, 2, 3])[0] is copier
+    copier.sure = False
+    assert policy.choose([1, 2, 3])[0] is fast
+
+
 class SlowProposer(ScriptedDrafter):
     """Its proposal costs 2 plain steps whatever the block, as a DFlash forward costs a fixed part of one."""
 
