@@ -509,44 +509,36 @@ AMX_BF16_TARGET void load_score_tiles(int n) {
   load_tiles(config);
 }
 
-// The sums of block `block` (16 keys from `keys_block`) into tile set `Set` and `sums`.
+// The sums of block `block` (16 keys from `keys_block`) into tile set `Set` and `sums`. The tile
+// intrinsics paste their arguments into the instruction, so each set's tile numbers are literals:
+// one body, written once as a macro, for tmm0 (sums) and tmm1 (keys) or tmm3 and tmm4.
+#define SCORE_BLOCK_ON_TILES(SUMS, KEYS)                 \
+  _tile_zero(SUMS);                                      \
+  _tile_loadd(KEYS, keys_block, stride);                 \
+  if constexpr (H > 2) _tile_loadd(2, pairs[0], 64);     \
+  _tile_dpbf16ps(SUMS, KEYS, 2);                         \
+  for (int h = 1; h < H; ++h) {                          \
+    _tile_loadd(KEYS, keys_block + 32 * h, stride);      \
+    if (H <= 2) {                                        \
+      _tile_dpbf16ps(SUMS, KEYS, 5);                     \
+    } else {                                             \
+      _tile_loadd(2, pairs[h], 64);                      \
+      _tile_dpbf16ps(SUMS, KEYS, 2);                     \
+    }                                                    \
+  }                                                      \
+  _tile_stored(SUMS, sums, 64);
+
 template <int D, int Set>
 AMX_BF16_TARGET inline void score_block(const at::BFloat16* keys_block, const uint32_t (*pairs)[16][16], float* sums) {
   constexpr int H = D / 32;
   constexpr int64_t stride = D * sizeof(at::BFloat16);
-  // the tile intrinsics paste their arguments into the instruction: literal tile numbers only
   if constexpr (Set == 0) {
-    _tile_zero(0);
-    _tile_loadd(1, keys_block, stride);
-    if constexpr (H > 2) _tile_loadd(2, pairs[0], 64);
-    _tile_dpbf16ps(0, 1, 2);
-    for (int h = 1; h < H; ++h) {
-      _tile_loadd(1, keys_block + 32 * h, stride);
-      if (H <= 2) {
-        _tile_dpbf16ps(0, 1, 5);
-      } else {
-        _tile_loadd(2, pairs[h], 64);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-    }
-    _tile_stored(0, sums, 64);
+    SCORE_BLOCK_ON_TILES(0, 1)
   } else {
-    _tile_zero(3);
-    _tile_loadd(4, keys_block, stride);
-    if constexpr (H > 2) _tile_loadd(2, pairs[0], 64);
-    _tile_dpbf16ps(3, 4, 2);
-    for (int h = 1; h < H; ++h) {
-      _tile_loadd(4, keys_block + 32 * h, stride);
-      if (H <= 2) {
-        _tile_dpbf16ps(3, 4, 5);
-      } else {
-        _tile_loadd(2, pairs[h], 64);
-        _tile_dpbf16ps(3, 4, 2);
-      }
-    }
-    _tile_stored(3, sums, 64);
+    SCORE_BLOCK_ON_TILES(3, 4)
   }
 }
+#undef SCORE_BLOCK_ON_TILES
 
 // Block sums [key][row] of the keys from j0 -> each row's 16 scores (times `scale`) at out + r * kChunk.
 AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const int64_t* last, int n, int64_t j0, float scale,
