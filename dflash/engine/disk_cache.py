@@ -5,15 +5,18 @@ the snapshot's tokens, a tensor table, the payload's SHA-256) and the raw tensor
 identity differs (another model, dtype, context size or chat template), whose checksum fails or that
 is truncated or unreadable is skipped with a warning and removed: never served, never a crash.
 
-Writes happen off the request path: the engine thread turns tensors into bytes (a memory copy) and a
-writer thread puts them on disk atomically (temporary file + rename), then trims the folder to its
-byte budget, oldest first. A folder that cannot be written is reported once; serving goes on from
-memory.
+Writes happen off the request path: the engine thread only queues the snapshot's tensors (copies
+already, shared with the memory prefix cache), and a writer thread checksums them and puts them on
+disk atomically (temporary file + rename) straight from the tensors' memory, then trims the folder to
+its byte budget, oldest first. Encoding on the engine thread (three copies of the payload and its
+SHA-256) held a 20K-token turn of an agent ~1-2 s per snapshot, several snapshots a turn. A folder
+that cannot be written is reported once; serving goes on from memory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import queue
@@ -22,7 +25,7 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence
 
 import attrs
 import structlog
@@ -53,27 +56,42 @@ class LoadedSnapshot:
     draft_rows: Tensor | None
 
 
-def tensor_bytes(t: Tensor) -> bytes:
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
 def tokens_name(tokens: Sequence[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()[:32]
 
 
-def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor], model: str = "") -> bytes:
-    """`model`: the served model's name, for `dflash cache ls` (not part of the identity)."""
+def flat_bytes(t: Tensor) -> memoryview:
+    """The tensor's bytes, without a copy where it is contiguous on the CPU."""
+    return memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1))
+
+
+def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor],
+                   model: str = "") -> int:
+    """Write one snapshot file's bytes to `out` from the tensors' memory; returns how many.
+    `model`: the served model's name, for `dflash cache ls` (not part of the identity)."""
     table, chunks, offset = [], [], 0
+    digest = hashlib.sha256()
     for name, t in tensors.items():
-        data = tensor_bytes(t)
+        data = flat_bytes(t)
+        digest.update(data)
         table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                      "offset": offset, "nbytes": len(data)})
+                      "offset": offset, "nbytes": data.nbytes})
         chunks.append(data)
-        offset += len(data)
-    payload = b"".join(chunks)
+        offset += data.nbytes
     header = json.dumps({"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens),
-                         "tensors": table, "sha256": hashlib.sha256(payload).hexdigest()}).encode()
-    return struct.pack("<Q", len(header)) + header + payload
+                         "tensors": table, "sha256": digest.hexdigest()}).encode()
+    out.write(struct.pack("<Q", len(header)))
+    out.write(header)
+    for data in chunks:
+        out.write(data)
+    return 8 + len(header) + offset
+
+
+def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor], model: str = "") -> bytes:
+    """A snapshot file's bytes (write_snapshot into memory)."""
+    out = io.BytesIO()
+    write_snapshot(out, identity, tokens, tensors, model)
+    return out.getvalue()
 
 
 class CorruptSnapshot(ValueError):
@@ -199,7 +217,7 @@ class DiskCache:
         self._entries: dict[str, DiskEntry] = {}
         self.hits = 0  # snapshots restored from here (counted by the caller that restores them)
         self._write_failed = False
-        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=8)
+        self._writes: queue.Queue[tuple[str, tuple[int, ...], dict[str, Tensor]] | None] = queue.Queue(maxsize=8)
         self._writer: threading.Thread | None = None
         if self.folder is not None:
             self._scan()
@@ -288,7 +306,8 @@ class DiskCache:
         return None
 
     def store(self, tokens: Sequence[int], snapshot: KVSnapshot, draft_rows: Tensor | None) -> None:
-        """Encode now (engine thread, memory copies only); the writer thread does the disk I/O."""
+        """Queue the snapshot for the writer thread (engine thread: no copy, no checksum). Its
+        tensors are copies no one changes (kv.snapshot, the drafter's context_rows)."""
         if not self.enabled or self._write_failed:
             return
         name = tokens_name(tokens)
@@ -299,20 +318,24 @@ class DiskCache:
             tensors |= {"key_scales": snapshot.key_scales, "value_scales": snapshot.value_scales}
         if draft_rows is not None:
             tensors["draft_rows"] = draft_rows
-        data = encode(self.identity, tokens, tensors, self.model)
-        if len(data) > self.max_bytes:
+        payload = sum(t.numel() * t.element_size() for t in tensors.values())
+        if payload > self.max_bytes:
             return
         try:
-            self._writes.put_nowait((name, data))
+            self._writes.put_nowait((name, tuple(tokens), tensors))
         except queue.Full:
             return  # the disk is behind; this snapshot stays in memory only
-        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}", len(data))
+        # Indexed now (its size without the header until written), so the next prompt looks here.
+        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}", payload)
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
-            name, data = item
+            name, tokens, tensors = item
             try:
-                self._write(name, data)
+                size = self._write(name, tokens, tensors)
+                if name in self._entries:
+                    self._entries[name] = DiskEntry(tokens, self.folder / f"{name}{SUFFIX}", size)
+                self._trim()
             except OSError as exc:
                 self._entries.pop(name, None)
                 if not self._write_failed:
@@ -320,19 +343,20 @@ class DiskCache:
                     log.warning("disk_cache_unwritable", folder=str(self.folder), error=str(exc),
                                 note="snapshots stay in memory only")
             finally:
+                del item, tensors  # the snapshot's memory, once written
                 self._writes.task_done()
 
-    def _write(self, name: str, data: bytes) -> None:
+    def _write(self, name: str, tokens: tuple[int, ...], tensors: dict[str, Tensor]) -> int:
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.folder / f"{name}{SUFFIX}"
         temporary = self.folder / f".{name}.{socket.gethostname()}.{os.getpid()}{TEMPORARY_SUFFIX}"
         with open(temporary, "wb") as f:
-            f.write(data)
+            size = write_snapshot(f, self.identity, tokens, tensors, self.model)
             # On disk before the rename: after a power cut the name never points at missing bytes.
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, target)
-        self._trim()
+        return size
 
     def _trim(self) -> None:
         files = []

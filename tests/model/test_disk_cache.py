@@ -100,6 +100,43 @@ def test_the_folder_is_trimmed_to_its_byte_budget(model, tmp_path):
     assert sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}")) <= one_file * 2.5
 
 
+def test_the_engine_thread_only_queues_a_snapshot_the_writer_checksums_it(model, tmp_path, monkeypatch):
+    """Checksumming (and copying) a 20K-token snapshot's ~550 MB held the engine ~1-2 s per snapshot,
+    several a turn of an agent: the engine thread must leave that to the writer thread."""
+    import hashlib
+    import threading
+
+    from dflash.engine import disk_cache as module
+
+    digests = []  # (thread, bytes hashed) of every SHA-256 taken
+    sha256 = hashlib.sha256
+
+    class RecordingSha256:
+        def __init__(self, data=b""):
+            self.inner, self.hashed = sha256(data), len(data)
+
+        def update(self, data):
+            self.inner.update(data)
+            self.hashed += memoryview(data).nbytes
+
+        def hexdigest(self):
+            digests.append((threading.current_thread().name, self.hashed))
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(module.hashlib, "sha256", RecordingSha256)
+    disk = DiskCache(tmp_path, max_bytes=1 << 30, identity=IDENTITY)
+    engine = Engine(model, max_ctx=128, prefix_cache=PrefixCache(8, 1 << 30), disk_cache=disk)
+    engine.start(CONVERSATION, SamplingParams(), 1, snapshot_at=(4,)).run()
+    disk.flush()
+    disk.close()
+    payloads = set()
+    for path in tmp_path.glob(f"*{SUFFIX}"):
+        header, _ = module.read_header(path)
+        payloads.add(sum(entry["nbytes"] for entry in header["tensors"]))
+    checksums = [thread for thread, hashed in digests if hashed in payloads]
+    assert payloads and checksums and set(checksums) == {"dflash-disk-cache"}
+
+
 def test_a_folder_left_over_budget_is_trimmed_at_start(model, tmp_path):
     """A writer killed between a snapshot's rename and its trim leaves the folder over budget: the
     next process trims it before serving, oldest first."""
