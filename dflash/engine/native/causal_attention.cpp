@@ -158,7 +158,7 @@ struct Rows {
 // exp_nonpositive's fixed sequence on its own lane; l is summed on 8 lanes, lane i taking e_i, e_i+8,
 // e_i+16, ... in order, then sum_of's tree. The AVX512 one computes exp on 16 lanes and adds each
 // half in turn (the same 8-lane order), 0.63x the time of the AVX2 one at 256 keys (AMX VM);
-// chunk_softmax_isa picks per CPU, and tests compare both (softmax_rows).
+// chunk_softmax picks the AVX512 one wherever the CPU has it, and tests compare both (softmax_rows).
 __attribute__((noinline)) AVX2_TARGET void chunk_softmax_avx2(float* s, int64_t seen, const Partial& p) {
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
