@@ -9,7 +9,7 @@ Writes happen off the request path: the engine thread only queues the snapshot's
 already, shared with the memory prefix cache), and a writer thread checksums them and puts them on
 disk atomically (temporary file + rename) straight from the tensors' memory, then trims the folder to
 its byte budget, oldest first. Encoding on the engine thread (three copies of the payload and its
-SHA-256) held a 20K-token turn of an agent ~1-2 s per snapshot, several snapshots a turn. A folder
+SHA-256) held the engine 2.2-2.5 s per 20K-token snapshot, several a turn (bench/snapshot_store.py). A folder
 that cannot be written is reported once; serving goes on from memory.
 """
 

@@ -622,8 +622,8 @@ AMX_BF16_TARGET inline void value_block(const at::BFloat16* pairs) {  // tmm{Til
 
 // The chunk's value pairs from `begin`, `pairs` of them (zeros at or past `end`), laid out for the
 // tiles: block b of 16 pairs, 16 dimensions g at a time, at out + ((b * D / 16 + g) * 16 + k) * 32,
-// (v_j, v_j+1) per dimension for pair k. Done once per chunk for every group of 16 rows (a prefill's
-// 768 rows of a KV head are 48 groups: each laid the same values out again before).
+// (v_j, v_j+1) per dimension for pair k. Done once per chunk and call for all its groups of 16 rows
+// (a prefill task's 48 rows are 3 groups, which each laid the same values out again before).
 template <int D>
 AMX_BF16_TARGET void amx_value_blocks(int64_t pairs, const at::BFloat16* values, int64_t begin, int64_t end, at::BFloat16* out) {
   constexpr int kGroups = D / 16;
