@@ -9,7 +9,8 @@ Writes happen off the request path: the engine thread only queues the snapshot's
 already, shared with the memory prefix cache), and a writer thread checksums them and puts them on
 disk atomically (temporary file + rename) straight from the tensors' memory, then trims the folder to
 its byte budget, oldest first. Encoding on the engine thread (three copies of the payload and its
-SHA-256) held the engine 2.2-2.5 s per 20K-token snapshot, several a turn (bench/snapshot_store.py). A folder
+SHA-256) held the engine 2.2-2.5 s per 20K-token snapshot, several a turn (bench/snapshot_store.py).
+The writer runs at background priority (`run_in_background`), so it does not slow the engine either. A folder
 that cannot be written is reported once; serving goes on from memory.
 """
 
@@ -208,6 +209,29 @@ def remove_snapshots(folder: Path) -> tuple[int, int]:
     return removed, removed_bytes
 
 
+def run_in_background() -> None:
+    """Give the calling thread only the CPU time the engine leaves (Linux: SCHED_IDLE; elsewhere the
+    lowest nice it can get, where the system has one).
+
+    Why: the engine's kernels run on every core (2 here) and wait for each other at the end of
+    each matmul, so a writer checksumming and writing a snapshot at normal priority took one of
+    them and stalled the others. While turn 1's snapshots were written, the second turn of a
+    9K-token Codex conversation decoded 16 tokens in 2.1 s (0.4 s at SCHED_IDLE) and that of a
+    20K-token Claude Code conversation spent 3.9 s prefilling 19 tokens (0.8 s): bench/first_turn.py,
+    AMX VM. Between requests the engine is idle and the writer gets whole cores.
+    """
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):
+        pass
+
+
 class DiskCache:
     def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any], model: str = ""):
         self.folder = Path(folder).expanduser() if folder else None
@@ -329,6 +353,7 @@ class DiskCache:
         self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}", payload)
 
     def _write_loop(self) -> None:
+        run_in_background()
         while (item := self._writes.get()) is not None:
             name, tokens, tensors = item
             try:
@@ -380,8 +405,18 @@ class DiskCache:
         while self._writes.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writes.put(None)
-            self._writer.join(timeout=30)
-            self._writer = None
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Write what is queued, then stop the writer (shutdown). Each 20K-token snapshot takes
+        ~5-7 s to write and fsync here and 8 may be queued, so the former 30 s bound lost the last
+        ones of a long first turn (a restarted server prefilled 20K tokens again); what still cannot
+        be written in `timeout_s` is named in the log."""
+        if self._writer is None:
+            return
+        queued = self._writes.unfinished_tasks
+        if queued:
+            log.info("disk_cache_writing_before_exit", snapshots=queued)
+        self._writes.put(None)
+        self._writer.join(timeout=timeout_s)
+        if self._writer.is_alive():
+            log.warning("disk_cache_unwritten_at_exit", snapshots=self._writes.unfinished_tasks - 1, waited_s=timeout_s)  # less the stop mark
+        self._writer = None
