@@ -3,9 +3,11 @@
 Sends the captured first request of Claude Code (~20K tokens: system prompt and 24 tools) or
 Codex (~9K) to a live server with the default context and a disk cache, then:
   turn 2   the same conversation, one reply and one user message longer (memory prefix cache);
-  restart  a new server on the same disk_dir, and a new session's first request that shares the
-           system prompt and tools but asks something else (disk tier).
-Prints time to first token (first content event), prompt and prefilled tokens of each.
+  restart  the server stopped (SIGTERM: it writes its queued snapshots first), a new one on the
+           same disk_dir, and a new session's first request that shares the system prompt and
+           tools but asks something else (disk tier).
+Prints time to first token (the first event with generated content: not the empty deltas sent
+as keep-alives during prefill), prompt and prefilled tokens of each.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/first_turn.py [--client claude|codex] [--max-tokens 16]
 """
@@ -63,6 +65,19 @@ def next_turn(client: str, body: dict, reply: str, text: str) -> dict:
     return body
 
 
+def generated(kind: str, data: dict) -> bool:
+    """Whether the event carries generated content: not the empty deltas the server sends as
+    keep-alives while it prefills (Claude Code's watchdog counts only content events)."""
+    if kind == "content_block_start":
+        return data["content_block"].get("type") == "tool_use"
+    if kind == "response.output_item.added":
+        return data["item"].get("type") == "function_call"
+    delta = data.get("delta")
+    if isinstance(delta, dict):
+        return any(value for key, value in delta.items() if key != "type" and isinstance(value, str))
+    return kind.startswith("response.") and kind.endswith(".delta") and bool(delta)
+
+
 def stream(http: httpx.Client, path: str, body: dict) -> tuple[float, str, dict]:
     """(seconds to the first content event, reply text, usage timings) of one streamed request."""
     started = time.perf_counter()
@@ -75,8 +90,7 @@ def stream(http: httpx.Client, path: str, body: dict) -> tuple[float, str, dict]
                 continue
             data = json.loads(line[6:])
             kind = data.get("type", "")
-            if kind in ("content_block_delta", "response.output_text.delta", "response.output_item.added",
-                        "content_block_start") and first_s is None:
+            if first_s is None and generated(kind, data):
                 first_s = time.perf_counter() - started
             delta = data.get("delta")
             if kind == "content_block_delta" and delta.get("type") == "text_delta":
@@ -106,13 +120,17 @@ def main() -> None:
                     ttft, _, timings = stream(http, path, next_turn(args.client, body, reply,
                                                                     "Now list the files in src/."))
                     rows.append(("turn 2", ttft, timings))
+                    # An operator's restart: SIGTERM, and the server writes its queued snapshots first.
+                    stopping = time.perf_counter()
+                    server.stop(timeout=300)
+                    stop_s = time.perf_counter() - stopping
                 else:
                     ttft, _, timings = stream(http, path, with_user_text(args.client, body,
                                                                          "What does this project do?"))
                     rows.append(("new session after restart", ttft, timings))
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
-    print(f"\n{args.client} first turn, embedded model, CPU: {cpu_kind()}")
+    print(f"\n{args.client} first turn, embedded model, CPU: {cpu_kind()}; graceful stop after turn 2: {stop_s:.1f} s")
     print("| request | prompt tokens | prefilled | TTFT s | prefill ms |")
     print("|---|---|---|---|---|")
     for name, ttft, timings in rows:

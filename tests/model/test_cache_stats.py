@@ -2,7 +2,7 @@
 the hits that really supplied a prefix, and speculation counted per drafter."""
 
 from dflash.engine.disk_cache import DiskCache
-from dflash.engine.generate import Engine
+from dflash.engine.generate import EXACT_PROMPT_SLACK, Engine
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.speculative import SpeculationConfig
@@ -22,10 +22,12 @@ def test_kv_tokens_and_tiers_follow_the_requests(model, tmp_path):
     assert {name: (tier.entries, tier.hits) for name, tier in empty.tiers.items()} == {
         "prefix": (0, 0), "exact": (0, 0), "disk": (0, 0)}
 
-    engine.start(CONVERSATION, SamplingParams(), max_tokens=3, snapshot_at=(BOUNDARY,)).run()
+    # A boundary far enough from the prompt's end that the exact prompt gets a snapshot too.
+    prompt = CONVERSATION + list(range(100, 100 + EXACT_PROMPT_SLACK))
+    engine.start(prompt, SamplingParams(), max_tokens=3, snapshot_at=(BOUNDARY,)).run()
     disk.flush()
     first = engine.cache_stats()
-    assert first.kv_tokens == len(CONVERSATION) + 2  # the last generated token has no KV yet
+    assert first.kv_tokens == len(prompt) + 2  # the last generated token has no KV yet
     assert first.tiers["prefix"].entries == 1 and first.tiers["exact"].entries == 1
     assert first.tiers["prefix"].bytes > 0 and first.tiers["disk"].entries == 2  # both snapshots go to disk
     assert first.tiers["disk"].bytes == sum(path.stat().st_size for path in tmp_path.iterdir())

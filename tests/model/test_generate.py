@@ -86,9 +86,11 @@ def test_max_tokens_is_clamped_to_the_room_left_in_the_context():
     assert len(generation.run()) == 4 and generation.finished == "length"
 
 
-def test_prefix_cache_restores_the_deepest_boundary_and_outputs_stay_the_same():
+def test_prefix_cache_restores_the_deepest_boundary_and_outputs_stay_the_same(monkeypatch):
+    from dflash.engine import generate
     from dflash.engine.prefix_cache import PrefixCache
 
+    monkeypatch.setattr(generate, "EXACT_PROMPT_SLACK", 0)  # the exact prompt's snapshot, 4 tokens past a boundary
     engine = make_engine()
     engine.prefix_cache = PrefixCache(slots=4, budget_bytes=1 << 30)
     engine.prompt_cache = PrefixCache(slots=2, budget_bytes=1 << 30)
@@ -105,6 +107,25 @@ def test_prefix_cache_restores_the_deepest_boundary_and_outputs_stay_the_same():
     same = engine.start(conversation, SamplingParams(), max_tokens=3)
     assert same.run() == first.output
     assert same.stats.cached_tokens == len(conversation) - 1 and same.stats.prefilled_tokens == 1
+
+
+def test_an_exact_prompt_just_past_a_boundary_gets_no_copy_of_its_own():
+    """A chat prompt's last boundary closes its last message a few tokens short of the prompt's end;
+    a second snapshot there was a near-identical copy of the whole cache (460 MB at 20K tokens) every
+    turn. An identical request restores the boundary and computes the rest."""
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    engine.prefix_cache = PrefixCache(slots=4, budget_bytes=1 << 30)
+    engine.prompt_cache = PrefixCache(slots=2, budget_bytes=1 << 30)
+    conversation = PROMPT + [44, 45, 46, 47]
+    first = engine.start(conversation, SamplingParams(), max_tokens=3, snapshot_at=[len(conversation) - 3])
+    first.run()
+    assert len(engine.prefix_cache) == 1 and len(engine.prompt_cache) == 0
+    engine.rollback(0)
+    same = engine.start(conversation, SamplingParams(), max_tokens=3)
+    assert same.run() == first.output
+    assert (same.stats.cached_tokens, same.stats.prefilled_tokens) == (len(conversation) - 3, 3)
 
 
 def test_prefix_cache_respects_its_slot_count_and_memory_budget():
