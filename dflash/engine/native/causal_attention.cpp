@@ -242,6 +242,39 @@ __attribute__((noinline)) AVX512_TARGET void chunk_softmax_avx512(float* s, int6
   p.l() = sum_of(total);
 }
 
+// chunk_softmax_avx512 of four rows that each see the whole chunk (kChunk apart; their partials
+// `stride` floats apart), their operations interleaved: l's sum is a chain of dependent adds (8
+// lanes, key order), 128 cycles of latency a row, which one row alone leaves the core waiting on.
+// Each row gets the same operations as chunk_softmax_avx512 (with no partial vectors), so the
+// same bits.
+__attribute__((noinline)) AVX512_TARGET void chunk_softmax_avx512_four_whole(float* s, float* partials, int64_t stride) {
+  constexpr int R = 4;
+  __m512 wide_max[R];
+  UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < kChunk; j += 16)
+    UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_max_ps(wide_max[r], _mm512_loadu_ps(s + r * kChunk + j));
+  float m[R];
+  __m512 shift[R];
+  __m256 total[R];
+  UNROLLED for (int r = 0; r < R; ++r) {
+    m[r] = max_of(_mm256_max_ps(_mm512_castps512_ps256(wide_max[r]), _mm512_extractf32x8_ps(wide_max[r], 1)));
+    shift[r] = _mm512_set1_ps(m[r]);
+    total[r] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < kChunk; j += 16) {
+    UNROLLED for (int r = 0; r < R; ++r) {
+      const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk + j), shift[r]));
+      _mm512_storeu_ps(s + r * kChunk + j, e);
+      total[r] = _mm256_add_ps(total[r], _mm512_castps512_ps256(e));
+      total[r] = _mm256_add_ps(total[r], _mm512_extractf32x8_ps(e, 1));
+    }
+  }
+  UNROLLED for (int r = 0; r < R; ++r) {
+    partials[r * stride] = m[r];
+    partials[r * stride + 1] = sum_of(total[r]);
+  }
+}
+
 bool chunk_softmax_wide() {
   static const bool wide = cpu_has_avx512f_dq();
   return wide;
@@ -955,6 +988,11 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     if (seen <= 0) continue;
     float* s = all_scores + (i - first) * kChunk;
     const Partial p{out + (i - first) * (D + 2)};
+    if (kBf16Values && seen == kChunk && i + 4 <= last && chunk_softmax_wide()) {  // and the 3 rows after it (position order)
+      chunk_softmax_avx512_four_whole(s, p.p, D + 2);
+      i += 3;
+      continue;
+    }
     chunk_softmax(s, seen, p);
     if constexpr (kBf16Values) continue;
     __m256 o[blocks];
