@@ -617,7 +617,8 @@ AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const i
 // scores + r * kChunk from the chunk's first key on.
 template <int D>
 AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t* last, int n, float scale, int64_t begin,
-                                int64_t end, const at::BFloat16* keys, const at::BFloat16* values, float* scores) {
+                                int64_t end, const at::BFloat16* keys, const at::BFloat16* values, float* scores,
+                                bool prefetch = true) {
   static_assert(D % 32 == 0, "tiles take the head 32 dimensions at a time");
   constexpr int H = D / 32;
   alignas(64) uint32_t pairs[H][16][16];  // B tiles: [half][dimension pair][row]
@@ -645,8 +646,10 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
   for (int64_t j0 = begin; j0 < stop; j0 += 16, ++block) {
     // Tile loads are not prefetched by the hardware at a decode row's pace (a cache at depth streams
     // from memory): the keys kPrefetchKeys ahead into L1, the values this block's into L2 for the
-    // pass after the softmax.
-    for (int64_t line = 0; line < 16 * D * 2; line += 64) {
+    // pass after the softmax. Only the first group of rows over a chunk asks (`prefetch`): the
+    // others find the chunk in cache, and their 64 prefetches a block, stalled on fill buffers, took
+    // half of this function's time in a prefill chunk at 16K (perf, AMX VM).
+    for (int64_t line = 0; prefetch && line < 16 * D * 2; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
     }
@@ -850,7 +853,8 @@ BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h
         const int n = int(std::min<int64_t>(16, last - i0));
         const at::BFloat16* q_rows[16];
         for (int r = 0; r < n; ++r) q_rows[r] = rows.query(h, i0 + r);
-        amx_scores<D>(q_rows, positions + (i0 - first), n, rows.scale, begin, end, keys, values, all_scores + (i0 - first) * kChunk);
+        amx_scores<D>(q_rows, positions + (i0 - first), n, rows.scale, begin, end, keys, values, all_scores + (i0 - first) * kChunk,
+                      i0 == first);
       }
       return;
     }
