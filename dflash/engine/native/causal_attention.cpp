@@ -242,39 +242,6 @@ __attribute__((noinline)) AVX512_TARGET void chunk_softmax_avx512(float* s, int6
   p.l() = sum_of(total);
 }
 
-// chunk_softmax_avx512 of four rows that each see the whole chunk (kChunk apart; their partials
-// `stride` floats apart), their operations interleaved: l's sum is a chain of dependent adds (8
-// lanes, key order), 128 cycles of latency a row, which one row alone leaves the core waiting on.
-// Each row gets the same operations as chunk_softmax_avx512 (with no partial vectors), so the
-// same bits.
-__attribute__((noinline)) AVX512_TARGET void chunk_softmax_avx512_four_whole(float* s, float* partials, int64_t stride) {
-  constexpr int R = 4;
-  __m512 wide_max[R];
-  UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < kChunk; j += 16)
-    UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_max_ps(wide_max[r], _mm512_loadu_ps(s + r * kChunk + j));
-  float m[R];
-  __m512 shift[R];
-  __m256 total[R];
-  UNROLLED for (int r = 0; r < R; ++r) {
-    m[r] = max_of(_mm256_max_ps(_mm512_castps512_ps256(wide_max[r]), _mm512_extractf32x8_ps(wide_max[r], 1)));
-    shift[r] = _mm512_set1_ps(m[r]);
-    total[r] = _mm256_setzero_ps();
-  }
-  for (int64_t j = 0; j < kChunk; j += 16) {
-    UNROLLED for (int r = 0; r < R; ++r) {
-      const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk + j), shift[r]));
-      _mm512_storeu_ps(s + r * kChunk + j, e);
-      total[r] = _mm256_add_ps(total[r], _mm512_castps512_ps256(e));
-      total[r] = _mm256_add_ps(total[r], _mm512_extractf32x8_ps(e, 1));
-    }
-  }
-  UNROLLED for (int r = 0; r < R; ++r) {
-    partials[r * stride] = m[r];
-    partials[r * stride + 1] = sum_of(total[r]);
-  }
-}
-
 bool chunk_softmax_wide() {
   static const bool wide = cpu_has_avx512f_dq();
   return wide;
@@ -343,6 +310,49 @@ struct Bf16Values {
   static constexpr int kVectors = 2 * ((D + 31) / 32);    // interleaved zmm per key pair, o's zmm per row
   static constexpr int kRows = D <= 32 ? 8 : D == 64 ? 6 : D == 128 ? 3 : 1;  // rows sharing each load
 };
+
+// chunk_softmax_avx512 of four rows that each see the whole chunk (kChunk apart; their partials
+// `stride` floats apart), their operations interleaved: l's sum is a chain of dependent adds (8
+// lanes, key order), 128 cycles of latency a row, which one row alone leaves the core waiting on.
+// Each row gets the same operations as chunk_softmax_avx512 (with no partial vectors), so the
+// same bits. With `pairs` (a bf16 values path; row r's at pairs + r * kChunk / 2) e goes there as
+// bf16_pairs would write it, not back into s: the fp32 e were written and read again only for that.
+__attribute__((noinline)) BF16DOT_TARGET void chunk_softmax_avx512_four_whole(float* s, float* partials, int64_t stride,
+                                                                             int32_t* pairs) {
+  constexpr int R = 4;
+  __m512 wide_max[R];
+  UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < kChunk; j += 16)
+    UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_max_ps(wide_max[r], _mm512_loadu_ps(s + r * kChunk + j));
+  float m[R];
+  __m512 shift[R];
+  __m256 total[R];
+  UNROLLED for (int r = 0; r < R; ++r) {
+    m[r] = max_of(_mm256_max_ps(_mm512_castps512_ps256(wide_max[r]), _mm512_extractf32x8_ps(wide_max[r], 1)));
+    shift[r] = _mm512_set1_ps(m[r]);
+    total[r] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < kChunk; j += 32) {
+    UNROLLED for (int r = 0; r < R; ++r) {
+      const __m512 e0 = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk + j), shift[r]));
+      const __m512 e1 = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk + j + 16), shift[r]));
+      if (pairs != nullptr) {
+        _mm512_storeu_si512(pairs + r * (kChunk / 2) + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      } else {
+        _mm512_storeu_ps(s + r * kChunk + j, e0);
+        _mm512_storeu_ps(s + r * kChunk + j + 16, e1);
+      }
+      total[r] = _mm256_add_ps(total[r], _mm512_castps512_ps256(e0));
+      total[r] = _mm256_add_ps(total[r], _mm512_extractf32x8_ps(e0, 1));
+      total[r] = _mm256_add_ps(total[r], _mm512_castps512_ps256(e1));
+      total[r] = _mm256_add_ps(total[r], _mm512_extractf32x8_ps(e1, 1));
+    }
+  }
+  UNROLLED for (int r = 0; r < R; ++r) {
+    partials[r * stride] = m[r];
+    partials[r * stride + 1] = sum_of(total[r]);
+  }
+}
 
 // A row's e (fp32, zero past `seen` up to a multiple of 8, in a kChunk buffer) as bf16 pairs
 // (e_j, e_j+1), zero from its last pair up to pair `until`.
@@ -771,18 +781,19 @@ BF16DOT_TARGET void bf16_token_values(int n, float* scores, int64_t seen, int64_
 // of interleaved pairs shared by groups of rows, each row's o in memory between blocks.
 template <int D>
 BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, float* scores, int64_t begin, int64_t end,
-                                       const at::BFloat16* values, float* out, bool amx = false) {
+                                       const at::BFloat16* values, float* out, bool amx, int32_t* e, const bool* paired) {
   constexpr int V = Bf16Values<D>::kVectors, NR = Bf16Values<D>::kRows;
   constexpr int64_t kPairBlock = 16;
-  thread_local Scratch pair_buffer, o_buffer, block_buffer;
+  thread_local Scratch o_buffer, block_buffer;
   const int64_t pairs = (end - begin + 1) / 2;
-  int32_t* const e = pair_buffer.get<int32_t>(size_t(count) * kChunk / 2);
   if constexpr (D % 16 == 0) {
     if (amx) {
       int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
       while (active < count && positions[active] < begin) ++active;
-      for (int64_t i = active; i < count; ++i)
-        bf16_pairs(scores + i * kChunk, std::min(end, positions[i] + 1) - begin, e + i * kChunk / 2, (pairs + 15) / 16 * 16);
+      for (int64_t i = active; i < count; ++i) {
+        if (!paired[i])
+          bf16_pairs(scores + i * kChunk, std::min(end, positions[i] + 1) - begin, e + i * kChunk / 2, (pairs + 15) / 16 * 16);
+      }
       at::BFloat16* const blocks = block_buffer.get<at::BFloat16>(size_t(kChunk) * D);  // 16-pair blocks
       amx_value_blocks<D>(pairs, values, begin, end, blocks);
       for (int64_t i = active; i < count; i += 16)
@@ -794,7 +805,9 @@ BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, 
   __m512i* const vbuf = block_buffer.get<__m512i>(size_t(kPairBlock) * V);
   int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
   while (active < count && positions[active] < begin) ++active;
-  for (int64_t i = active; i < count; ++i) bf16_pairs(scores + i * kChunk, std::min(end, positions[i] + 1) - begin, e + i * kChunk / 2, pairs);
+  for (int64_t i = active; i < count; ++i) {
+    if (!paired[i]) bf16_pairs(scores + i * kChunk, std::min(end, positions[i] + 1) - begin, e + i * kChunk / 2, pairs);
+  }
   std::memset(static_cast<void*>(o + active * V), 0, sizeof(__m512) * V * (count - active));
   const int32_t* rows_e[NR];
   for (int64_t p0 = 0; p0 < pairs; p0 += kPairBlock) {
@@ -986,14 +999,20 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
                        _mm256_mul_ps(sums_of_eight(acc), _mm256_set1_ps(rows.scale)));
     }
   }
-  // softmax over each row's visible keys of this chunk, then its values
+  // softmax over each row's visible keys of this chunk, then its values; with bf16 values, rows that
+  // see the whole chunk four at a time, their e straight into bf16 pairs (paired)
+  thread_local Scratch pair_buffer, paired_buffer;
+  int32_t* const e_pairs = kBf16Values ? pair_buffer.get<int32_t>(size_t(count) * kChunk / 2) : nullptr;
+  bool* const paired = kBf16Values ? paired_buffer.get<bool>(size_t(count)) : nullptr;
+  if (kBf16Values) std::fill(paired, paired + count, false);
   for (int64_t i = first; i < last; ++i) {
     const int64_t seen = std::min(end, positions[i - first] + 1) - begin;  // keys of this chunk row i sees
     if (seen <= 0) continue;
     float* s = all_scores + (i - first) * kChunk;
     const Partial p{out + (i - first) * (D + 2)};
     if (kBf16Values && seen == kChunk && i + 4 <= last && chunk_softmax_wide()) {  // and the 3 rows after it (position order)
-      chunk_softmax_avx512_four_whole(s, p.p, D + 2);
+      chunk_softmax_avx512_four_whole(s, p.p, D + 2, e_pairs + (i - first) * kChunk / 2);
+      std::fill(paired + (i - first), paired + (i - first) + 4, true);
       i += 3;
       continue;
     }
@@ -1010,7 +1029,7 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
   }
   if constexpr (kBf16Values) {
     bf16_tokens_values<D>(count, positions.get(), all_scores, begin, end, values, out,
-                          kBf16Scores<kBf16Values, QT, KT> && rows.amx);
+                          kBf16Scores<kBf16Values, QT, KT> && rows.amx, e_pairs, paired);
   }
 }
 
