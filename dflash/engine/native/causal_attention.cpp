@@ -50,11 +50,13 @@ constexpr int64_t kChunk = 256;      // key positions per partial; fixed, so res
 constexpr int64_t kMaxDim = 256;     // the largest head_dim served
 constexpr int64_t kFewRows = 64;     // up to this many query rows per KV head: parallel over chunks
 // Many rows: tokens per task (x G query heads). Each task reads every key and value it sees once per
-// chunk for all its rows, so a prefill chunk at depth reads the cache R / (16 G) times, not R / (4 G):
-// bench/attention.py, 1 thread, prefill 256 at 16K on an AMX VM: 83 -> 50 ms a layer on tiles (48 rows
-// are 3 whole tiles), 164 -> 150 on bf16 dot products, 199 -> 171 over an fp32 cache. A row's
-// partials and their merge order do not depend on the rows beside it, so neither do its bits.
-constexpr int64_t kTokensPerTask = 16;
+// chunk for all its rows, so a prefill chunk at depth reads the cache R / (64 G) times. 4 -> 16
+// tokens (bench/attention.py, 1 thread, prefill 256 at 16K on an AMX VM): 83 -> 50 ms a layer on
+// tiles (48 rows are 3 whole tiles), 164 -> 150 on bf16 dot products, 199 -> 171 over an fp32 cache;
+// 16 -> 64 on tiles (the same VM, a later build): 43 -> 30 ms on 1 thread, 21 -> 17-18 ms on 2
+// (128: no better on 2 threads, and fewer tasks to share). A row's partials and their merge order
+// do not depend on the rows beside it, so neither do its bits.
+constexpr int64_t kTokensPerTask = 64;
 constexpr int64_t kPrefetchKeys = 32;  // keys (and values) ahead that are prefetched
 constexpr int kTokenRows = 3;          // rows of one token sharing each key and value load (decode)
 
