@@ -319,13 +319,25 @@ struct Bf16Values {
 // Each row gets the same operations as chunk_softmax_avx512 (with no partial vectors), so the
 // same bits. With `pairs` (a bf16 values path; row r's at pairs + r * kChunk / 2) e goes there as
 // bf16_pairs would write it, not back into s: the fp32 e were written and read again only for that.
+// A `scale` other than 1: s holds sums still to be multiplied by it (amx_tokens_scores).
 __attribute__((noinline)) BF16DOT_TARGET void chunk_softmax_avx512_four_whole(float* s, float* partials, int64_t stride,
-                                                                             int32_t* pairs) {
+                                                                             int32_t* pairs, float scale) {
   constexpr int R = 4;
   __m512 wide_max[R];
   UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < kChunk; j += 16)
-    UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_max_ps(wide_max[r], _mm512_loadu_ps(s + r * kChunk + j));
+  if (scale != 1.0f) {  // sums not yet scaled (amx_tokens_scores): scores = sum * scale, as gather_scores makes them
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < kChunk; j += 16) {
+      UNROLLED for (int r = 0; r < R; ++r) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + r * kChunk + j), scaled);
+        _mm512_storeu_ps(s + r * kChunk + j, v);
+        wide_max[r] = _mm512_max_ps(wide_max[r], v);
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < kChunk; j += 16)
+      UNROLLED for (int r = 0; r < R; ++r) wide_max[r] = _mm512_max_ps(wide_max[r], _mm512_loadu_ps(s + r * kChunk + j));
+  }
   float m[R];
   __m512 shift[R];
   __m256 total[R];
@@ -589,16 +601,15 @@ AMX_BF16_TARGET inline void score_block(const at::BFloat16* keys_block, const ui
 // A 16 x 16 transpose in registers (4 rounds of shuffles, 64 instructions): the 16 gathers it
 // replaced, 16 loads each, were a fifth of a 256-token prefill chunk's attention at 16K (perf, AMX
 // VM). The same values move, so the scores keep their bits.
-AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const int64_t* last, int n, int64_t j0, float scale,
-                                          float* out) {
-  __m512 a[16], t[16], u[16];
-  UNROLLED for (int k = 0; k < 16; ++k) a[k] = _mm512_load_ps(block_sums[k]);
-  // t[2i], t[2i+1]: in each 128-bit lane L, keys 2i and 2i+1 of rows 4L, 4L+1 and of rows 4L+2, 4L+3
+// rows[r] = lane r of a[0..15] (a 16 x 16 transpose of 32-bit lanes): 4 rounds of shuffles.
+AVX512_TARGET inline void transpose16(const __m512* a, __m512* rows) {
+  __m512 t[16], u[16];
+  // t[2i], t[2i+1]: in each 128-bit lane L, vectors 2i and 2i+1's lanes 4L, 4L+1 and 4L+2, 4L+3
   UNROLLED for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
   }
-  // u[4i+c]: in each 128-bit lane L, keys 4i..4i+3 of row 4L+c
+  // u[4i+c]: in each 128-bit lane L, vectors 4i..4i+3's lane 4L+c
   UNROLLED for (int i = 0; i < 4; ++i) {
     const __m512d t0 = _mm512_castps_pd(t[4 * i]), t1 = _mm512_castps_pd(t[4 * i + 1]);
     const __m512d t2 = _mm512_castps_pd(t[4 * i + 2]), t3 = _mm512_castps_pd(t[4 * i + 3]);
@@ -607,8 +618,7 @@ AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const i
     u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
     u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
   }
-  // row 4L+c: lane L of u[c], u[4+c], u[8+c], u[12+c], in that order
-  __m512 rows[16];
+  // lane 4L+c: 128-bit lane L of u[c], u[4+c], u[8+c], u[12+c], in that order
   UNROLLED for (int c = 0; c < 4; ++c) {
     const __m512 even_low = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), odd_low = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
     const __m512 even_high = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
@@ -618,6 +628,16 @@ AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const i
     rows[4 + c] = _mm512_shuffle_f32x4(odd_low, odd_high, 0x88);
     rows[12 + c] = _mm512_shuffle_f32x4(odd_low, odd_high, 0xDD);
   }
+}
+
+// Block sums [key][row] of the keys from j0 -> each row's 16 scores (times `scale`) at out + r * kChunk.
+// A transpose in registers: the 16 gathers it replaced, 16 loads each, were a fifth of a 256-token
+// prefill chunk's attention at 16K (perf, AMX VM). The same values move, so the scores keep their bits.
+AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const int64_t* last, int n, int64_t j0, float scale,
+                                          float* out) {
+  __m512 a[16], rows[16];
+  UNROLLED for (int k = 0; k < 16; ++k) a[k] = _mm512_load_ps(block_sums[k]);
+  transpose16(a, rows);
   const __m512 scaled = _mm512_set1_ps(scale);
   UNROLLED for (int r = 0; r < 16; ++r) {
     if (r < n && last[r] >= j0) _mm512_storeu_ps(out + r * kChunk, _mm512_mul_ps(rows[r], scaled));
@@ -672,6 +692,79 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
   if (block > 0) gather(begin + 16 * (block - 1), sums[(block - 1) % 2]);
   _tile_release();
 }
+
+// The scores of rows [first, last) of several tokens (a prefill task; positions[i - first]) over the
+// chunk's keys [begin, end) on tiles with the operands turned: each group of 16 rows' queries is A
+// and the chunk's keys are B, laid out as dimension pairs x keys once per call for all the groups,
+// so the sums come out [row][key] and go straight into the rows' scores (kChunk apart), not yet times
+// 1/sqrt(D): the softmax takes that multiply into its first pass (tokens_partials). amx_scores
+// (keys as A) needs a transpose per group and block of keys, 12 of them a block for a task of 64
+// tokens; this, one. tdpbf16ps adds each element's products in the order of the dimension pairs,
+// whichever operand holds the rows, so every score keeps the bits amx_scores gives it (the
+// prefill-vs-decode test holds them equal). Rows that do not see a block get scores no one reads.
+// Heads of at most 64 dimensions (two A tiles); else amx_scores.
+#define TOKENS_SCORE_BLOCK(SUMS, KEYS0, KEYS1)                                 \
+  _tile_zero(SUMS);                                                           \
+  _tile_loadd(KEYS0, laid + (b * H) * 256, 64);                               \
+  _tile_dpbf16ps(SUMS, 2, KEYS0);                                             \
+  if constexpr (H == 2) {                                                     \
+    _tile_loadd(KEYS1, laid + (b * H + 1) * 256, 64);                         \
+    _tile_dpbf16ps(SUMS, 3, KEYS1);                                           \
+  }                                                                           \
+  _tile_stored(SUMS, out + 16 * b, kChunk * sizeof(float));
+
+template <int D>
+AMX_BF16_TARGET void amx_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h, int64_t first, int64_t last,
+                                       const int64_t* positions, int64_t begin, int64_t end, const at::BFloat16* keys,
+                                       const at::BFloat16* values, float* all_scores) {
+  static_assert(D == 32 || D == 64, "two A tiles hold a row's query");
+  constexpr int H = D / 32;  // 32 dimensions (16 pairs) a tile
+  const int64_t stop = std::min(end, positions[last - 1 - first] + 1);  // keys any row sees (position order)
+  if (stop <= begin) return;
+  const int64_t blocks = (stop - begin + 15) / 16;
+  thread_local Scratch key_buffer;
+  uint32_t* const laid = key_buffer.get<uint32_t>(size_t(blocks) * H * 256);  // [block][half][pair][key]
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j0 = begin + 16 * b;
+    for (int64_t line = 0; line < 16 * D * 2; line += 64)  // the values into L2 for the pass after the softmax
+      _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
+    for (int half = 0; half < H; ++half) {
+      __m512 key_pairs[16], pair_rows[16];  // key k's 16 dimension pairs -> pair p's 16 keys
+      UNROLLED for (int k = 0; k < 16; ++k)
+        key_pairs[k] = j0 + k < end ? _mm512_loadu_ps(keys + (j0 + k) * D + 32 * half) : _mm512_setzero_ps();
+      transpose16(key_pairs, pair_rows);
+      UNROLLED for (int p = 0; p < 16; ++p) _mm512_store_ps(laid + ((b * H + half) * 16 + p) * 16, pair_rows[p]);
+    }
+  }
+  alignas(64) at::BFloat16 queries[16 * D];
+  int configured = 0;  // rows the tiles are configured for: loading a configuration waits for every tile operation
+  for (int64_t i0 = first; i0 < last; i0 += 16) {
+    const int n = int(std::min<int64_t>(16, last - i0));
+    const int64_t group_stop = std::min(end, positions[i0 + n - 1 - first] + 1);
+    if (group_stop <= begin) continue;  // these rows see nothing of this chunk
+    const int64_t group_blocks = (group_stop - begin + 15) / 16;
+    for (int r = 0; r < n; ++r) std::memcpy(queries + r * D, rows.query(h, i0 + r), sizeof(at::BFloat16) * D);
+    if (n != configured) {
+      TileConfig config;  // tmm0, tmm1: sums (n rows x 16 keys); tmm2, tmm3: queries; tmm4-7: keys of two blocks
+      for (int t = 0; t < 4; ++t) config.shape(t, n, 64);
+      for (int t = 4; t < 8; ++t) config.shape(t, 16, 64);
+      load_tiles(config);
+      configured = n;
+    }
+    _tile_loadd(2, queries, D * sizeof(at::BFloat16));
+    if constexpr (H == 2) _tile_loadd(3, queries + 32, D * sizeof(at::BFloat16));
+    float* const out = all_scores + (i0 - first) * kChunk;
+    for (int64_t b = 0; b < group_blocks; ++b) {
+      if (b % 2 == 0) {
+        TOKENS_SCORE_BLOCK(0, 4, 5)
+      } else {
+        TOKENS_SCORE_BLOCK(1, 6, 7)
+      }
+    }
+  }
+  _tile_release();
+}
+#undef TOKENS_SCORE_BLOCK
 
 // The values on tiles too, where the scores are: o = sum over tdpbf16ps's blocks of 16 key pairs from
 // the chunk's start, in order, from +0, each element computed from its own row's e pairs (e_j and
@@ -863,6 +956,10 @@ BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h
                                        float* all_scores) {
   constexpr int H = Bf16Scores<D>::kVectors;
   if constexpr (D % 32 == 0) {
+    if (rows.amx && (D == 32 || D == 64)) {
+      if constexpr (D == 32 || D == 64) amx_tokens_scores<D>(rows, h, first, last, positions, begin, end, keys, values, all_scores);
+      return;
+    }
     if (rows.amx) {
       for (int64_t i0 = first; i0 < last; i0 += 16) {  // 16 rows a tile
         const int n = int(std::min<int64_t>(16, last - i0));
@@ -950,6 +1047,14 @@ AVX2_TARGET void token_partials(const float* queries, float scale, int64_t seen,
   }
 }
 
+// s[0..seen) *= scale, each score as gather_scores multiplies it (amx_tokens_scores' sums).
+AVX2_TARGET inline void scale_scores(float* s, int64_t seen, float scale) {
+  const __m256 scaled = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= seen; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), scaled));
+  for (; j < seen; ++j) s[j] *= scale;
+}
+
 // Partials of rows [first, last) of KV head h over chunk c when they are several tokens (a
 // verification, a prefill task): each block of 8 keys converted once for all rows (rows whose
 // position is below the chunk are left alone). keys/values: [L, D] of this head.
@@ -1004,6 +1109,7 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
   // softmax over each row's visible keys of this chunk, then its values; with bf16 values, rows that
   // see the whole chunk four at a time, their e straight into bf16 pairs (paired)
   thread_local Scratch pair_buffer, paired_buffer;
+  const bool unscaled = kBf16Scores<kBf16Values, QT, KT> && rows.amx && (D == 32 || D == 64);  // amx_tokens_scores
   int32_t* const e_pairs = kBf16Values ? pair_buffer.get<int32_t>(size_t(count) * kChunk / 2) : nullptr;
   bool* const paired = kBf16Values ? paired_buffer.get<bool>(size_t(count)) : nullptr;
   if (kBf16Values) std::fill(paired, paired + count, false);
@@ -1013,11 +1119,12 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     float* s = all_scores + (i - first) * kChunk;
     const Partial p{out + (i - first) * (D + 2)};
     if (kBf16Values && seen == kChunk && i + 4 <= last && chunk_softmax_wide()) {  // and the 3 rows after it (position order)
-      chunk_softmax_avx512_four_whole(s, p.p, D + 2, e_pairs + (i - first) * kChunk / 2);
+      chunk_softmax_avx512_four_whole(s, p.p, D + 2, e_pairs + (i - first) * kChunk / 2, unscaled ? rows.scale : 1.0f);
       std::fill(paired + (i - first), paired + (i - first) + 4, true);
       i += 3;
       continue;
     }
+    if (unscaled) scale_scores(s, seen, rows.scale);
     chunk_softmax(s, seen, p);
     if constexpr (kBf16Values) continue;
     __m256 o[blocks];
