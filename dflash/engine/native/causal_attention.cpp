@@ -772,6 +772,8 @@ AMX_BF16_TARGET void amx_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h
 // `end`). A row alone (fewer blocks) adds nothing but +0 or -0 to sums that are never -0, so it gets
 // the same bits. 4 tiles of 16 dimensions at a time hold the sums; the value pairs of a block are
 // laid out once for every row of the call.
+__attribute__((noinline)) AMX_BF16_TARGET void release_tiles() { _tile_release(); }  // for callers without AMX targets
+
 AMX_BF16_TARGET void load_value_tiles(int n) {  // tmm0-3: sums, tmm4: e pairs (n rows), tmm5: value pairs
   TileConfig config;
   for (int t = 0; t < 5; ++t) config.shape(t, n, 64);
@@ -818,10 +820,11 @@ AMX_BF16_TARGET void amx_value_blocks(int64_t pairs, const at::BFloat16* values,
 // pairs rounded up to 16) over the chunk's key pairs, `pairs` of them, laid out by amx_value_blocks:
 // o into their partials (out + r * (D + 2) + 2).
 template <int D>
-AMX_BF16_TARGET void amx_values(const int32_t* e, int64_t e_stride, int n, int64_t pairs, const at::BFloat16* blocks, float* out) {
+AMX_BF16_TARGET void amx_values(const int32_t* e, int64_t e_stride, int n, int64_t pairs, const at::BFloat16* blocks, float* out,
+                                bool configured = false) {  // configured: load_value_tiles(n) done, released by the caller
   static_assert(D % 16 == 0, "tiles take the head 16 dimensions at a time");
   constexpr int kGroups = D / 16;
-  load_value_tiles(n);
+  if (!configured) load_value_tiles(n);
   for (int g0 = 0; g0 < kGroups; g0 += 4) {
     _tile_zero(0);
     _tile_zero(1);
@@ -841,7 +844,7 @@ AMX_BF16_TARGET void amx_values(const int32_t* e, int64_t e_stride, int n, int64
     if (g0 + 2 < kGroups) _tile_stored(2, out + 2 + 16 * (g0 + 2), stride);
     if (g0 + 3 < kGroups) _tile_stored(3, out + 2 + 16 * (g0 + 3), stride);
   }
-  _tile_release();
+  if (!configured) _tile_release();
 }
 
 // The values of one token's n rows (their e in scores, kChunk apart, softmax done) over `seen` keys
@@ -891,8 +894,13 @@ BF16DOT_TARGET void bf16_tokens_values(int64_t count, const int64_t* positions, 
       }
       at::BFloat16* const blocks = block_buffer.get<at::BFloat16>(size_t(kChunk) * D);  // 16-pair blocks
       amx_value_blocks<D>(pairs, values, begin, end, blocks);
-      for (int64_t i = active; i < count; i += 16)
-        amx_values<D>(e + i * kChunk / 2, kChunk / 2, int(std::min<int64_t>(16, count - i)), pairs, blocks, out + i * (D + 2));
+      int configured = 0;  // loading a tile configuration waits for every tile operation: once per row count
+      for (int64_t i = active; i < count; i += 16) {
+        const int n = int(std::min<int64_t>(16, count - i));
+        if (n != configured) load_value_tiles(configured = n);
+        amx_values<D>(e + i * kChunk / 2, kChunk / 2, n, pairs, blocks, out + i * (D + 2), true);
+      }
+      if (configured) release_tiles();
       return;
     }
   }
