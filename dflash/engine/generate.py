@@ -122,10 +122,12 @@ class Engine:
         start = self.kv.length
         ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
         drafter = self.dflash_drafter
-        capture = drafter.capture_layers if drafter is not None else ()
-        logits, hidden = self.model(ids, start, self.kv, capture_layers=capture, **kwargs)
-        if drafter is not None:
-            drafter.observe(start, hidden)
+        # the drafter's rows for these tokens, written by the forward itself (None: nothing to capture)
+        into = drafter.rows_at(start, len(tokens)) if drafter is not None else None
+        capture = drafter.capture_layers if into is not None else ()
+        logits, _ = self.model(ids, start, self.kv, capture_layers=capture, capture_into=into, **kwargs)
+        if into is not None:
+            drafter.observed(start, len(tokens))
         self.prefix_reuse.computed(tokens)
         return logits
 

@@ -96,6 +96,7 @@ class HFModel:
         capture_layers: Sequence[int] = (),
         attention_mask: Tensor | None = None,
         logits_positions: slice | Sequence[int] | None = slice(-1, None),
+        capture_into: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         if start_position != kv.length:
             kv.crop(start_position)
@@ -123,6 +124,9 @@ class HFModel:
             logits = logits[logits_positions]
         # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1].
         captured = [out.hidden_states[i + 1][0].clone() for i in capture_layers] if capture_layers else []
+        if capture_into is not None:  # as Transformer.forward: written there, none returned
+            capture_into.copy_(torch.cat(captured, dim=-1))
+            return logits.float(), []
         return logits.float(), captured
 
 

@@ -539,12 +539,17 @@ class Transformer(nn.Module):
         capture_layers: Sequence[int] = (),
         attention_mask: Tensor | None = None,  # [T, start+T] bool over committed + new tokens
         logits_positions: slice | Sequence[int] | None = slice(-1, None),
+        capture_into: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """Run T new tokens at positions start..start+T-1, append them to `kv`.
 
         Returns logits [len(logits_positions), vocab] in fp32 and the hidden states [T, C] after each
         layer in `capture_layers` (index i = the output of decoder layer i), from the same pass.
-        `logits_positions=None` returns logits for every new token (verification).
+        `logits_positions=None` returns logits for every new token (verification). With
+        `capture_into` ([T, len(capture_layers) * C], the DFlash drafter's rows) the hidden states
+        are written there, in capture_layers order, and the list returned is empty: the native loop
+        copies each into place, where returning them cost the drafter a concatenation and a copy a
+        step (~100 us of a 4.7 ms int4 step on an AMX VM, paid by every plain step under auto).
         """
         T = tokens.shape[0]
         end = start_position + T
@@ -564,6 +569,10 @@ class Transformer(nn.Module):
         # in Python, where per-call overhead is spread over many rows.
         causal = attention_mask is None
         native = native_extension() if causal and T <= FEW_ROWS and x.device.type == "cpu" else None
+        C = self.args.hidden_size
+        into_natively = (capture_into is not None and native is not None and capture_into.dtype == torch.bfloat16
+                         and x.dtype == torch.bfloat16)
+        columns = [list(capture_layers).index(layer) * C for layer in sorted(capture)] if into_natively else []
         if native is not None:
             x, *captured = native.decode_layers(
                 x, cos, sin, kv.keys, kv.values, *(
@@ -573,7 +582,8 @@ class Transformer(nn.Module):
                 group_keys=[g.keys for g in row_groups or ()], group_masks=[g.mask for g in row_groups or ()],
                 our_attention=ours,
                 num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim,
-                intermediate=self.args.intermediate_size, eps=self.args.rms_norm_eps, capture=sorted(capture))
+                intermediate=self.args.intermediate_size, eps=self.args.rms_norm_eps, capture=sorted(capture),
+                capture_into=capture_into if into_natively else None, capture_columns=columns)
         else:
             captured: list[Tensor] = []
             for index, layer in enumerate(self.layers):
@@ -584,9 +594,14 @@ class Transformer(nn.Module):
         if logits_positions is not None:
             x = x[logits_positions]
         logits = widen_to_fp32(self.lm_head(self.norm(x)))
+        if into_natively:
+            return logits, []
         if capture:
             order = {layer: i for i, layer in enumerate(sorted(capture))}
             captured = [captured[order[layer]] for layer in capture_layers]
+        if capture_into is not None:
+            capture_into.copy_(torch.cat(captured, dim=-1))
+            return logits, []
         return logits, captured
 
 

@@ -57,15 +57,23 @@ class HiddenRecorder:
 
     name = "recorder"
 
-    def __init__(self, layer_ids: Sequence[int]):
+    def __init__(self, layer_ids: Sequence[int], hidden_size: int):
         self.capture_layers = tuple(layer_ids)
+        self.width = len(self.capture_layers) * hidden_size
         self.rows: list[Tensor] = []
         self.length = 0
+        self._pending: Tensor | None = None
 
-    def observe(self, start: int, hidden: list[Tensor]) -> None:
+    def rows_at(self, start: int, count: int) -> Tensor:
+        """Where the target's forward writes the rows of `count` tokens from `start` (the engine's
+        drafter protocol: Engine.forward passes it as capture_into, then calls `observed`)."""
         self.crop(start)
-        self.rows.append(torch.cat(hidden, dim=-1).to(torch.bfloat16))
-        self.length = start + self.rows[-1].shape[0]
+        self._pending = torch.empty(count, self.width, dtype=torch.bfloat16)
+        return self._pending
+
+    def observed(self, start: int, count: int) -> None:
+        self.rows.append(self._pending)
+        self.length = start + count
 
     def crop(self, length: int) -> None:
         if length >= self.length:
@@ -126,7 +134,7 @@ def generate_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Sequence
     (out / "data").mkdir(parents=True, exist_ok=True)
     engine = loaded.engine
     saved = engine.dflash_drafter
-    recorder = HiddenRecorder(layer_ids)
+    recorder = HiddenRecorder(layer_ids, engine.model.args.hidden_size)
     engine.dflash_drafter = recorder
     shards = []
     mine = [(i, p) for i, p in enumerate(prompts) if i % part[1] == part[0]]

@@ -47,6 +47,36 @@ def test_native_layers_equal_the_python_layers_bit_for_bit(architecture, weights
         assert torch.equal(native[2], python[2])
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_captured_states_written_into_the_drafter_rows_equal_those_returned(weights, native, monkeypatch):
+    """capture_into (the DFlash drafter's rows, which the forward fills in place of returning the
+    states: ~100 us a step less) holds exactly the returned states, in capture_layers order."""
+    model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
+    quantize_linears(model, weights)
+    torch.manual_seed(6)
+    tokens = torch.randint(0, 128, (120,))
+    kv = model.new_kv_cache(256)
+    model(tokens[:100], 0, kv)
+    state = (kv.keys.clone(), kv.values.clone())
+    C = model.args.hidden_size
+    if not native:
+        monkeypatch.setattr(model_module, "native_extension", lambda: None)
+    for start, rows in ((100, 1), (95, 8)):
+        _, hidden, _ = run(model, tokens, start, state, rows)
+        kv = model.new_kv_cache(256)
+        kv.keys.copy_(state[0])
+        kv.values.copy_(state[1])
+        kv.length = start
+        # a strided block of a wider buffer, NaN around it: only its own columns are written
+        buffer = torch.full((rows + 2, 2 * C + 5), float("nan"), dtype=torch.bfloat16)
+        into = buffer[1 : rows + 1, 3 : 3 + 2 * C]
+        _, returned = model(tokens[start : start + rows], start, kv, capture_layers=(2, 0), capture_into=into,
+                            logits_positions=None)
+        assert returned == [] and torch.equal(into, torch.cat(hidden, dim=-1))
+        assert buffer[0].isnan().all() and buffer[:, :3].isnan().all() and buffer[:, 3 + 2 * C :].isnan().all()
+
+
 @pytest.mark.parametrize("width", [576, 100, 64])
 def test_native_rms_norm_takes_its_fixed_sequence(width):
     """rms_norm's bf16 rows (8 lanes where the CPU has AVX2) are the documented sequence, bit for bit:

@@ -332,13 +332,25 @@ class DFlashDrafter:
     def block_size(self) -> int:
         return self.draft.config.block_size
 
-    def observe(self, start: int, hidden: list[Tensor]) -> None:
+    def rows_at(self, start: int, count: int) -> Tensor | None:
+        """Where the target's forward over `count` tokens from `start` writes their captured rows
+        (Transformer.forward's capture_into; `observed` then counts them), or None when rows before
+        `start` are missing: propose() declines until a rollback makes the context whole, so there
+        is nothing to capture."""
         if start > self.length:
-            return  # rows are missing: propose() declines until a rollback makes the context whole
-        rows = torch.cat(hidden, dim=-1)  # [T, K*H] in target_layer_ids order
+            return None
         self.crop(start)
-        self.rows[start : start + rows.shape[0]] = rows
-        self.length = start + rows.shape[0]
+        return self.rows[start : start + count]
+
+    def observed(self, start: int, count: int) -> None:
+        self.length = start + count
+
+    def observe(self, start: int, hidden: list[Tensor]) -> None:
+        """rows_at and observed, for hidden states [T, H] given as tensors (in target_layer_ids order)."""
+        into = self.rows_at(start, hidden[0].shape[0])
+        if into is not None:
+            into.copy_(torch.cat(hidden, dim=-1))
+            self.observed(start, into.shape[0])
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)

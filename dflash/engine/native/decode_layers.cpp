@@ -467,7 +467,7 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
     const at::Tensor& key_scales, const at::Tensor& value_scales, int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
     const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& kinds, const std::vector<int64_t>& has_bias,
     const std::vector<int64_t>& out_features, int64_t H, int64_t KV, int64_t D, int64_t intermediate, double eps,
-    const std::vector<int64_t>& capture) {
+    const std::vector<int64_t>& capture, const at::Tensor& capture_into, const std::vector<int64_t>& capture_columns) {
   using bf16 = at::BFloat16;
   const auto kBf16 = at::kBFloat16;
   const int64_t layers = keys.size(0), T = x_in.size(0), C = x_in.size(1), L = keys.size(2), I = intermediate;
@@ -577,7 +577,12 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
     linear(3, act, T, projected);
     add_rows(x, projected, x, T * C);
     if (next_capture < capture.size() && capture[next_capture] == layer) {
-      captured.push_back(x_out.clone());
+      if (capture_into.defined()) {  // rows [T, C] into their columns of the drafter's rows
+        bf16* into = capture_into.data_ptr<bf16>() + capture_columns[next_capture];
+        for (int64_t t = 0; t < T; ++t) std::memcpy(into + t * capture_into.stride(0), x + t * C, sizeof(bf16) * C);
+      } else {
+        captured.push_back(x_out.clone());
+      }
       ++next_capture;
     }
   }
@@ -601,8 +606,21 @@ std::vector<at::Tensor> decode_layers(
     const std::vector<int64_t>& has_bias, const std::vector<int64_t>& out_features, int64_t group_size,
     const std::vector<int64_t>& group_starts, const std::vector<int64_t>& group_ends,
     const std::vector<int64_t>& group_keys, const std::vector<at::Tensor>& group_masks, bool our_attention, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, const std::vector<int64_t>& capture) {
+    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, const std::vector<int64_t>& capture,
+    const std::optional<at::Tensor>& capture_into_arg, const std::vector<int64_t>& capture_columns) {
   at::NoGradGuard no_grad;
+  // capture_into: [T, K * C] bf16 rows, row stride free, column `capture_columns[i]` for capture[i]:
+  // the captured states are written there (the DFlash drafter's rows) instead of returned.
+  const at::Tensor capture_into = capture_into_arg.has_value() ? *capture_into_arg : at::Tensor();
+  if (capture_into.defined()) {
+    TORCH_CHECK(capture_into.scalar_type() == at::kBFloat16 && capture_into.dim() == 2 && capture_into.stride(1) == 1 &&
+                    capture_into.size(0) == x.size(0) && capture_columns.size() == capture.size(),
+                "decode_layers: capture_into must be [T, K * C] bf16 rows with one column per captured layer, got ",
+                capture_into.sizes(), " ", capture_into.scalar_type(), " for ", capture.size(), " layers");
+    for (int64_t column : capture_columns)
+      TORCH_CHECK(column >= 0 && column + x.size(1) <= capture_into.size(1), "decode_layers: capture column ", column,
+                  " outside rows of ", capture_into.size(1));
+  }
   const int64_t layers = keys.size(0), T = x.size(0), H = num_heads, KV = num_kv_heads, D = head_dim;
   const bool qk_norm = !qk_norms.empty(), int8_cache = key_scales.numel() > 0;
   // Our kernels' threads spin through the step only where every parallel loop of it is ours: torch's
@@ -614,7 +632,7 @@ std::vector<at::Tensor> decode_layers(
   if (all_ours) awake.emplace();
   if (all_ours) {
     auto done = layers_without_aten(x, cos, sin, keys, values, key_scales, value_scales, start, norms, qk_norms, linear_tensors, kinds, has_bias,
-                                    out_features, H, KV, D, intermediate, eps, capture);
+                                    out_features, H, KV, D, intermediate, eps, capture, capture_into, capture_columns);
     if (done) return *done;
   }
   std::vector<at::Tensor> captured;
@@ -668,7 +686,11 @@ std::vector<at::Tensor> decode_layers(
                                                        : at::silu(gate_up.slice(-1, 0, intermediate)) * gate_up.slice(-1, intermediate);
     x = x + linear(3)(act);
     if (next_capture < capture.size() && capture[next_capture] == layer) {
-      captured.push_back(x.clone());
+      if (capture_into.defined()) {
+        capture_into.narrow(1, capture_columns[next_capture], x.size(1)).copy_(x);
+      } else {
+        captured.push_back(x.clone());
+      }
       ++next_capture;
     }
   }
@@ -864,5 +886,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("sin"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
         arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("our_attention"), arg("num_heads"), arg("num_kv_heads"),
-        arg("head_dim"), arg("intermediate"), arg("eps"), arg("capture"));
+        arg("head_dim"), arg("intermediate"), arg("eps"), arg("capture"), arg("capture_into") = pybind11::none(),
+        arg("capture_columns") = std::vector<int64_t>{});
 }
