@@ -14,25 +14,31 @@ from tests.model.tiny import ours_from_hf, tiny_hf_model
 pytestmark = pytest.mark.skipif(extension() is None, reason="the native extension is not built")
 
 
-def run(model, tokens, start, kv_state, rows):
+def run(model, tokens, start, kv_state, rows, capture_into=None):
     kv = model.new_kv_cache(256)
     kv.keys.copy_(kv_state[0])
     kv.values.copy_(kv_state[1])
     kv.length = start
-    logits, hidden = model(tokens[start : start + rows], start, kv, capture_layers=(2, 0), logits_positions=None)
+    logits, hidden = model(tokens[start : start + rows], start, kv, capture_layers=(2, 0), logits_positions=None,
+                           capture_into=capture_into)
     return logits, hidden, kv.keys[:, :, : start + rows].clone()
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4"])
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
-def test_native_layers_equal_the_python_layers_bit_for_bit(architecture, weights, monkeypatch):
+def prefilled(architecture, weights):
+    """A tiny model in `weights`, 120 random tokens and the KV state of the first 100."""
     model = ours_from_hf(tiny_hf_model(architecture), dtype=torch.float32 if weights == "fp32" else torch.bfloat16)
     quantize_linears(model, weights)
     torch.manual_seed(6)
     tokens = torch.randint(0, 128, (120,))
     kv = model.new_kv_cache(256)
     model(tokens[:100], 0, kv)
-    state = (kv.keys.clone(), kv.values.clone())
+    return model, tokens, (kv.keys.clone(), kv.values.clone())
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_native_layers_equal_the_python_layers_bit_for_bit(architecture, weights, monkeypatch):
+    model, tokens, state = prefilled(architecture, weights)
     for start, rows in ((100, 1), (95, 8), (60, 5)):
         calls = extension().layers_without_aten_calls()
         native = run(model, tokens, start, state, rows)
@@ -52,27 +58,16 @@ def test_native_layers_equal_the_python_layers_bit_for_bit(architecture, weights
 def test_captured_states_written_into_the_drafter_rows_equal_those_returned(weights, native, monkeypatch):
     """capture_into (the DFlash drafter's rows, which the forward fills in place of returning the
     states: ~100 us a step less) holds exactly the returned states, in capture_layers order."""
-    model = ours_from_hf(tiny_hf_model("llama"), dtype=torch.bfloat16)
-    quantize_linears(model, weights)
-    torch.manual_seed(6)
-    tokens = torch.randint(0, 128, (120,))
-    kv = model.new_kv_cache(256)
-    model(tokens[:100], 0, kv)
-    state = (kv.keys.clone(), kv.values.clone())
+    model, tokens, state = prefilled("llama", weights)
     C = model.args.hidden_size
     if not native:
         monkeypatch.setattr(model_module, "native_extension", lambda: None)
     for start, rows in ((100, 1), (95, 8)):
         _, hidden, _ = run(model, tokens, start, state, rows)
-        kv = model.new_kv_cache(256)
-        kv.keys.copy_(state[0])
-        kv.values.copy_(state[1])
-        kv.length = start
         # a strided block of a wider buffer, NaN around it: only its own columns are written
         buffer = torch.full((rows + 2, 2 * C + 5), float("nan"), dtype=torch.bfloat16)
         into = buffer[1 : rows + 1, 3 : 3 + 2 * C]
-        _, returned = model(tokens[start : start + rows], start, kv, capture_layers=(2, 0), capture_into=into,
-                            logits_positions=None)
+        _, returned, _ = run(model, tokens, start, state, rows, capture_into=into)
         assert returned == [] and torch.equal(into, torch.cat(hidden, dim=-1))
         assert buffer[0].isnan().all() and buffer[:, :3].isnan().all() and buffer[:, 3 + 2 * C :].isnan().all()
 
