@@ -598,10 +598,7 @@ AMX_BF16_TARGET inline void score_block(const at::BFloat16* keys_block, const ui
 #undef SCORE_BLOCK_ON_TILES
 
 // Block sums [key][row] of the keys from j0 -> each row's 16 scores (times `scale`) at out + r * kChunk.
-// A 16 x 16 transpose in registers (4 rounds of shuffles, 64 instructions): the 16 gathers it
-// replaced, 16 loads each, were a fifth of a 256-token prefill chunk's attention at 16K (perf, AMX
-// VM). The same values move, so the scores keep their bits.
-// rows[r] = lane r of a[0..15] (a 16 x 16 transpose of 32-bit lanes): 4 rounds of shuffles.
+// rows[r] = lane r of a[0..15] (a 16 x 16 transpose of 32-bit lanes): 4 rounds of shuffles, 64 instructions.
 AVX512_TARGET inline void transpose16(const __m512* a, __m512* rows) {
   __m512 t[16], u[16];
   // t[2i], t[2i+1]: in each 128-bit lane L, vectors 2i and 2i+1's lanes 4L, 4L+1 and 4L+2, 4L+3
