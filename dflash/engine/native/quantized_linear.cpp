@@ -461,43 +461,54 @@ VNNI_TARGET inline void unpack_int4(const uint8_t* packed, uint8_t* codes) {  //
 }
 
 // Channel blocks first .. first + Blocks over all rows (padded to 16 in x.q; `M` real ones).
-// `totals` [Blocks, M, 16] fp32 scratch, `unpacked` 4 x 512 bytes, `sums` 4 x 256 int32.
+// `unpacked` groups x 4 x 512 bytes, `group_scales` and `group_offsets` groups x 4 x 16 fp32, `sums`
+// 4 x 256 int32: scratch. Each block's codes are unpacked (int4) and its group scales read once per
+// call, then each tile of 16 rows runs every group with its totals in L1 (4 x 16 x 16 fp32). Before,
+// groups ran outermost and every row's totals went through memory once a group: for 256 rows 64 KB,
+// L2, so a prefill chunk's int4 matmuls spent their time in that epilogue (perf, AMX VM). Each total
+// takes the same operations in the same order (group by group), so the same bits.
 template <int Blocks, bool Int4>
 AMX_TARGET void amx_blocks(const QuantizedRows& x, int64_t M, const uint8_t* codes, const void* scales,
-                           at::BFloat16* y, int64_t N, int64_t first, float* totals, uint8_t* unpacked, int32_t* sums) {
+                           at::BFloat16* y, int64_t N, int64_t first, uint8_t* unpacked, float* group_scales,
+                           float* group_offsets, int32_t* sums) {
   const int64_t rows = std::min<int64_t>(M, kTileRows);
-  std::fill(totals, totals + Blocks * M * kChannels, 0.0f);
   for (int64_t g = 0; g < x.groups; ++g) {
-    const uint8_t* tiles[4];
-    __m512 scale[4], offset[4];
     for (int b = 0; b < Blocks; ++b) {
       const int64_t tile = (first + b) * x.groups + g;
       if constexpr (Int4) {
-        unpack_int4(codes + tile * 256, unpacked + 512 * b);
-        tiles[b] = unpacked + 512 * b;
-        int4_group_scales(static_cast<const at::BFloat16*>(scales) + tile * 32, scale[b], offset[b]);
-      } else {
-        tiles[b] = codes + tile * 512;
-      }
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-      group_tiles<Blocks>(x.row(m0, g), x.K, tiles, sums);
-      for (int64_t r = 0; r < rows && m0 + r < M; ++r) {
-        for (int b = 0; b < Blocks; ++b) {
-          float* total = totals + (b * M + m0 + r) * kChannels;
-          __m512i dot = _mm512_load_si512(sums + b * 256 + r * kChannels);
-          __m512 updated = Int4 ? int4_group(_mm512_load_ps(total), dot, scale[b], offset[b], x, m0 + r, g)
-                                : int8_group(_mm512_load_ps(total), dot, x, m0 + r, g);
-          _mm512_store_ps(total, updated);
-        }
+        unpack_int4(codes + tile * 256, unpacked + (g * 4 + b) * 512);
+        __m512 scale, offset;
+        int4_group_scales(static_cast<const at::BFloat16*>(scales) + tile * 32, scale, offset);
+        _mm512_store_ps(group_scales + (g * 4 + b) * kChannels, scale);
+        _mm512_store_ps(group_offsets + (g * 4 + b) * kChannels, offset);
       }
     }
   }
-  for (int b = 0; b < Blocks; ++b) {
-    const __m512 scale_out = Int4 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(static_cast<const float*>(scales) + (first + b) * kChannels);
-    for (int64_t m = 0; m < M; ++m) {
-      __m512 total = _mm512_load_ps(totals + (b * M + m) * kChannels);
-      store_bf16(y + m * N + (first + b) * kChannels, Int4 ? total : _mm512_mul_ps(total, scale_out));
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    alignas(64) float totals[4][kTileRows][kChannels];
+    const int64_t here = std::min<int64_t>(rows, M - m0);
+    for (int b = 0; b < Blocks; ++b)
+      for (int64_t r = 0; r < here; ++r) _mm512_store_ps(totals[b][r], _mm512_setzero_ps());
+    for (int64_t g = 0; g < x.groups; ++g) {
+      const uint8_t* tiles[4];
+      for (int b = 0; b < Blocks; ++b) tiles[b] = Int4 ? unpacked + (g * 4 + b) * 512 : codes + ((first + b) * x.groups + g) * 512;
+      group_tiles<Blocks>(x.row(m0, g), x.K, tiles, sums);
+      for (int64_t r = 0; r < here; ++r) {
+        for (int b = 0; b < Blocks; ++b) {
+          __m512i dot = _mm512_load_si512(sums + b * 256 + r * kChannels);
+          __m512 updated = Int4 ? int4_group(_mm512_load_ps(totals[b][r]), dot, _mm512_load_ps(group_scales + (g * 4 + b) * kChannels),
+                                             _mm512_load_ps(group_offsets + (g * 4 + b) * kChannels), x, m0 + r, g)
+                                : int8_group(_mm512_load_ps(totals[b][r]), dot, x, m0 + r, g);
+          _mm512_store_ps(totals[b][r], updated);
+        }
+      }
+    }
+    for (int b = 0; b < Blocks; ++b) {
+      const __m512 scale_out = Int4 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(static_cast<const float*>(scales) + (first + b) * kChannels);
+      for (int64_t r = 0; r < here; ++r) {
+        const __m512 total = _mm512_load_ps(totals[b][r]);
+        store_bf16(y + (m0 + r) * N + (first + b) * kChannels, Int4 ? total : _mm512_mul_ps(total, scale_out));
+      }
     }
   }
 }
@@ -513,16 +524,16 @@ template <bool Int4>
 void amx_matmul(const QuantizedRows& x, int64_t M, const uint8_t* codes, const void* scales, at::BFloat16* y,
                 int64_t N) {
   step_pool::parallel_for(N / kChannels, 4, [&](int64_t begin, int64_t end) {
-    Aligned<float> totals(4 * M * kChannels);
-    Aligned<uint8_t> unpacked(4 * 512);
+    Aligned<uint8_t> unpacked(Int4 ? x.groups * 4 * 512 : 0);
+    Aligned<float> group_scales(Int4 ? x.groups * 4 * kChannels : 0), group_offsets(Int4 ? x.groups * 4 * kChannels : 0);
     Aligned<int32_t> sums(4 * 256);
     load_tile_config(std::min<int64_t>(M, kTileRows));
     for (int64_t block = begin; block < end; block += 4) {
       switch (std::min<int64_t>(4, end - block)) {
-        case 4: amx_blocks<4, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get()); break;
-        case 3: amx_blocks<3, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get()); break;
-        case 2: amx_blocks<2, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get()); break;
-        default: amx_blocks<1, Int4>(x, M, codes, scales, y, N, block, totals.get(), unpacked.get(), sums.get());
+        case 4: amx_blocks<4, Int4>(x, M, codes, scales, y, N, block, unpacked.get(), group_scales.get(), group_offsets.get(), sums.get()); break;
+        case 3: amx_blocks<3, Int4>(x, M, codes, scales, y, N, block, unpacked.get(), group_scales.get(), group_offsets.get(), sums.get()); break;
+        case 2: amx_blocks<2, Int4>(x, M, codes, scales, y, N, block, unpacked.get(), group_scales.get(), group_offsets.get(), sums.get()); break;
+        default: amx_blocks<1, Int4>(x, M, codes, scales, y, N, block, unpacked.get(), group_scales.get(), group_offsets.get(), sums.get());
       }
     }
     release_tiles();
