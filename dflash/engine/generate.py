@@ -268,7 +268,7 @@ class Generation:
         # The exact prompt's own snapshot only where no boundary snapshot lies just before it: a
         # chat prompt's last boundary closes its last message, a few tokens (the assistant header)
         # short of the prompt's end, so the two were near-identical copies of the whole cache
-        # (460 MB each at 20K tokens, 170 ms on the engine thread every turn; AMX VM). An identical
+        # (460 MB each at 20K tokens, a tenth of a second or more on the engine thread every turn). An identical
         # request restores that boundary and computes those few tokens.
         near_boundary = any(exact - p <= EXACT_PROMPT_SLACK for p in self.boundaries)
         self.exact_prompt_boundary = (exact if engine.prefix_reuse.keeps_prompts and exact > reused and not near_boundary

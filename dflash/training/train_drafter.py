@@ -57,9 +57,10 @@ class HiddenRecorder:
 
     name = "recorder"
 
-    def __init__(self, layer_ids: Sequence[int], hidden_size: int):
+    def __init__(self, layer_ids: Sequence[int], hidden_size: int, device):
         self.capture_layers = tuple(layer_ids)
         self.width = len(self.capture_layers) * hidden_size
+        self.device = device
         self.rows: list[Tensor] = []
         self.length = 0
         self._pending: Tensor | None = None
@@ -68,7 +69,7 @@ class HiddenRecorder:
         """Where the target's forward writes the rows of `count` tokens from `start` (the engine's
         drafter protocol: Engine.forward passes it as capture_into, then calls `observed`)."""
         self.crop(start)
-        self._pending = torch.empty(count, self.width, dtype=torch.bfloat16)
+        self._pending = torch.empty(count, self.width, dtype=torch.bfloat16, device=self.device)
         return self._pending
 
     def observed(self, start: int, count: int) -> None:
@@ -134,7 +135,7 @@ def generate_data(loaded, prompts: Sequence[str], out: Path, layer_ids: Sequence
     (out / "data").mkdir(parents=True, exist_ok=True)
     engine = loaded.engine
     saved = engine.dflash_drafter
-    recorder = HiddenRecorder(layer_ids, engine.model.args.hidden_size)
+    recorder = HiddenRecorder(layer_ids, engine.model.args.hidden_size, engine.model.device)
     engine.dflash_drafter = recorder
     shards = []
     mine = [(i, p) for i, p in enumerate(prompts) if i % part[1] == part[0]]

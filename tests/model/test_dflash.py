@@ -85,15 +85,19 @@ def test_incremental_context_equals_one_shot_context(target):
         _, hidden = target(torch.tensor(tokens), 0, kv, capture_layers=(0, 2))
         return hidden
 
+    def observe(drafter, start, hidden):  # as Engine.forward feeds it, from states given as tensors
+        drafter.rows_at(start, hidden[0].shape[0]).copy_(torch.cat(hidden, dim=-1))
+        drafter.observed(start, hidden[0].shape[0])
+
     fresh = DFlashDrafter(draft, target, 64)
-    fresh.observe(0, captured(ids))
+    observe(fresh, 0, captured(ids))
     expected = fresh.propose(ids + [11], 4)
 
     stepwise = DFlashDrafter(draft, target, 64)
     full = captured(ids + [50, 51])
-    stepwise.observe(0, [h[:3] for h in full])
+    observe(stepwise, 0, [h[:3] for h in full])
     stepwise.propose(ids[:3] + [ids[3]], 4)  # projects the first three rows into its cache
-    stepwise.observe(3, [h[3:] for h in full])  # ... then rows 3..9, of which 8 and 9 get rejected
+    observe(stepwise, 3, [h[3:] for h in full])  # ... then rows 3..9, of which 8 and 9 get rejected
     stepwise.crop(8)
     assert stepwise.propose(ids + [11], 4) == expected
     assert len(expected) == 4

@@ -345,13 +345,6 @@ class DFlashDrafter:
     def observed(self, start: int, count: int) -> None:
         self.length = start + count
 
-    def observe(self, start: int, hidden: list[Tensor]) -> None:
-        """rows_at and observed, for hidden states [T, H] given as tensors (in target_layer_ids order)."""
-        into = self.rows_at(start, hidden[0].shape[0])
-        if into is not None:
-            into.copy_(torch.cat(hidden, dim=-1))
-            self.observed(start, into.shape[0])
-
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
         self.kv.crop(min(self.kv.length, self.length))

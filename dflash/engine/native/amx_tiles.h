@@ -25,3 +25,6 @@ __attribute__((target("amx-tile"))) inline void load_tiles(const TileConfig& con
   asm volatile("" ::: "memory");
   _tile_loadconfig(&config);
 }
+
+// Not inlined, so code compiled without AMX targets (the bf16 attention paths) may call it.
+__attribute__((target("amx-tile"), noinline)) inline void release_tiles() { _tile_release(); }

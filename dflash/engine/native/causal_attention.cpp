@@ -317,7 +317,7 @@ struct Bf16Values {
 // `stride` floats apart), their operations interleaved: l's sum is a chain of dependent adds (8
 // lanes, key order), 128 cycles of latency a row, which one row alone leaves the core waiting on.
 // Each row gets the same operations as chunk_softmax_avx512 (with no partial vectors), so the
-// same bits. With `pairs` (a bf16 values path; row r's at pairs + r * kChunk / 2) e goes there as
+// same bits. For a bf16 values path: e goes into `pairs` (row r's at pairs + r * kChunk / 2) as
 // bf16_pairs would write it, not back into s: the fp32 e were written and read again only for that.
 // A `scale` other than 1: s holds sums still to be multiplied by it (amx_tokens_scores).
 __attribute__((noinline)) BF16DOT_TARGET void chunk_softmax_avx512_four_whole(float* s, float* partials, int64_t stride,
@@ -350,12 +350,7 @@ __attribute__((noinline)) BF16DOT_TARGET void chunk_softmax_avx512_four_whole(fl
     UNROLLED for (int r = 0; r < R; ++r) {
       const __m512 e0 = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk + j), shift[r]));
       const __m512 e1 = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk + j + 16), shift[r]));
-      if (pairs != nullptr) {
-        _mm512_storeu_si512(pairs + r * (kChunk / 2) + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      } else {
-        _mm512_storeu_ps(s + r * kChunk + j, e0);
-        _mm512_storeu_ps(s + r * kChunk + j + 16, e1);
-      }
+      _mm512_storeu_si512(pairs + r * (kChunk / 2) + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
       total[r] = _mm256_add_ps(total[r], _mm512_castps512_ps256(e0));
       total[r] = _mm256_add_ps(total[r], _mm512_extractf32x8_ps(e0, 1));
       total[r] = _mm256_add_ps(total[r], _mm512_castps512_ps256(e1));
@@ -646,8 +641,7 @@ AMX_BF16_TARGET inline void gather_scores(const float (*block_sums)[16], const i
 // scores + r * kChunk from the chunk's first key on.
 template <int D>
 AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t* last, int n, float scale, int64_t begin,
-                                int64_t end, const at::BFloat16* keys, const at::BFloat16* values, float* scores,
-                                bool prefetch = true) {
+                                int64_t end, const at::BFloat16* keys, const at::BFloat16* values, float* scores) {
   static_assert(D % 32 == 0, "tiles take the head 32 dimensions at a time");
   constexpr int H = D / 32;
   alignas(64) uint32_t pairs[H][16][16];  // B tiles: [half][dimension pair][row]
@@ -675,10 +669,8 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
   for (int64_t j0 = begin; j0 < stop; j0 += 16, ++block) {
     // Tile loads are not prefetched by the hardware at a decode row's pace (a cache at depth streams
     // from memory): the keys kPrefetchKeys ahead into L1, the values this block's into L2 for the
-    // pass after the softmax. Only the first group of rows over a chunk asks (`prefetch`): the
-    // others find the chunk in cache, and their 64 prefetches a block, stalled on fill buffers, took
-    // half of this function's time in a prefill chunk at 16K (perf, AMX VM).
-    for (int64_t line = 0; prefetch && line < 16 * D * 2; line += 64) {
+    // pass after the softmax.
+    for (int64_t line = 0; line < 16 * D * 2; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
     }
@@ -769,8 +761,6 @@ AMX_BF16_TARGET void amx_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h
 // `end`). A row alone (fewer blocks) adds nothing but +0 or -0 to sums that are never -0, so it gets
 // the same bits. 4 tiles of 16 dimensions at a time hold the sums; the value pairs of a block are
 // laid out once for every row of the call.
-__attribute__((noinline)) AMX_BF16_TARGET void release_tiles() { _tile_release(); }  // for callers without AMX targets
-
 AMX_BF16_TARGET void load_value_tiles(int n) {  // tmm0-3: sums, tmm4: e pairs (n rows), tmm5: value pairs
   TileConfig config;
   for (int t = 0; t < 5; ++t) config.shape(t, n, 64);
@@ -956,24 +946,25 @@ BF16DOT_TARGET void bf16_token_partials(const at::BFloat16* const* q_rows, float
 // [begin, end), into their rows of all_scores (kChunk apart): each block of 16 keys read from
 // memory once for every row that sees it, each score the same bits as bf16_token_partials'.
 template <int D>
-BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h, int64_t first, int64_t last, const int64_t* positions,
+BF16DOT_TARGET bool bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h, int64_t first, int64_t last, const int64_t* positions,
                                        int64_t begin, int64_t end, const at::BFloat16* keys, const at::BFloat16* values,
-                                       float* all_scores) {
+                                       float* all_scores) {  // true: the sums are left unscaled (amx_tokens_scores)
   constexpr int H = Bf16Scores<D>::kVectors;
-  if constexpr (D % 32 == 0) {
-    if (rows.amx && (D == 32 || D == 64)) {
-      if constexpr (D == 32 || D == 64) amx_tokens_scores<D>(rows, h, first, last, positions, begin, end, keys, values, all_scores);
-      return;
+  if constexpr (D == 32 || D == 64) {
+    if (rows.amx) {
+      amx_tokens_scores<D>(rows, h, first, last, positions, begin, end, keys, values, all_scores);
+      return true;
     }
+  }
+  if constexpr (D % 32 == 0) {
     if (rows.amx) {
       for (int64_t i0 = first; i0 < last; i0 += 16) {  // 16 rows a tile
         const int n = int(std::min<int64_t>(16, last - i0));
         const at::BFloat16* q_rows[16];
         for (int r = 0; r < n; ++r) q_rows[r] = rows.query(h, i0 + r);
-        amx_scores<D>(q_rows, positions + (i0 - first), n, rows.scale, begin, end, keys, values, all_scores + (i0 - first) * kChunk,
-                      i0 == first);
+        amx_scores<D>(q_rows, positions + (i0 - first), n, rows.scale, begin, end, keys, values, all_scores + (i0 - first) * kChunk);
       }
-      return;
+      return false;
     }
   }
   thread_local Scratch query_buffer;
@@ -985,6 +976,7 @@ BF16DOT_TARGET void bf16_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h
       _mm512_storeu_ps(all_scores + (i - first) * kChunk + (j0 - begin), bf16_sixteen_scores<D>(q + (i - first) * H, keys, j0, end, rows.scale));
     }
   }
+  return false;
 }
 
 // Partials of NR rows of one token (same position) over keys [begin, end) of a chunk: scores for
@@ -1084,7 +1076,9 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
     const QT* q = rows.query(h, i);
     UNROLLED for (int b = 0; b < blocks; ++b) _mm256_storeu_ps(queries + (i - first) * D + 8 * b, load8(q + 8 * b));
   }
-  if constexpr (kBf16Scores<kBf16Values, QT, KT>) bf16_tokens_scores<D>(rows, h, first, last, positions.get(), begin, end, keys, values, all_scores);
+  bool unscaled = false;  // amx_tokens_scores leaves 1/sqrt(D) to the softmax's first pass
+  if constexpr (kBf16Scores<kBf16Values, QT, KT>)
+    unscaled = bf16_tokens_scores<D>(rows, h, first, last, positions.get(), begin, end, keys, values, all_scores);
   // scores, 8 keys at a time; the block past the cache's end reads zero-padded copies
   for (int64_t j0 = begin; j0 < end && !kBf16Scores<kBf16Values, QT, KT>; j0 += 8) {
     UNROLLED for (int k = 0; k < 8; ++k) {
@@ -1114,7 +1108,6 @@ AVX2_TARGET void tokens_partials(const Rows<QT>& rows, int64_t h, int64_t first,
   // softmax over each row's visible keys of this chunk, then its values; with bf16 values, rows that
   // see the whole chunk four at a time, their e straight into bf16 pairs (paired)
   thread_local Scratch pair_buffer, paired_buffer;
-  const bool unscaled = kBf16Scores<kBf16Values, QT, KT> && rows.amx && (D == 32 || D == 64);  // amx_tokens_scores
   int32_t* const e_pairs = kBf16Values ? pair_buffer.get<int32_t>(size_t(count) * kChunk / 2) : nullptr;
   bool* const paired = kBf16Values ? paired_buffer.get<bool>(size_t(count)) : nullptr;
   if (kBf16Values) std::fill(paired, paired + count, false);

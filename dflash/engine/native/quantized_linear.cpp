@@ -424,8 +424,6 @@ AMX_TARGET void load_tile_config(int rows) {
   load_tiles(config);
 }
 
-AMX_TARGET void release_tiles() { _tile_release(); }
-
 template <int Tile>
 AMX_TARGET inline void multiply_block(const uint8_t* codes) {  // tmm{Tile} += tmm4 . codes
   if constexpr (Tile == 0) { _tile_loadd(5, codes, 64); _tile_dpbsud(0, 4, 5); }
