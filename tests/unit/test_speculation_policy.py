@@ -293,3 +293,24 @@ def test_a_drafter_that_cannot_pay_even_when_always_right_is_paused():
     asked = len(drafter.asked)
     generation(policy, 10, lambda n: n, 0.040)
     assert len(drafter.asked) == asked  # paused
+
+
+def paused_steps(probe_seconds):
+    """Plain steps a drafter waits after one failed probe of 2 drafts taking `probe_seconds` (plain: 10 ms)."""
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": ScriptedDrafter()})
+    policy.record_plain(0.010)
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), 0, probe_seconds)
+    waited = 0
+    while policy.choose([1, 2, 3]) == (None, []):
+        waited += 1
+    return waited
+
+
+def test_a_cheap_failed_probe_pauses_for_fewer_steps_than_a_costly_one():
+    """The pause is scaled by what the next probe costs: an n-gram probe whose rows cost a tenth of
+    a plain step each (AMX) waits a few steps, so a copy that resumes after an edit is caught; one
+    costing half a step or more (a DFlash forward) waits the whole PAUSE_STEPS."""
+    costly, cheap = paused_steps(0.030), paused_steps(0.012)
+    assert costly == SpeculationPolicy.PAUSE_STEPS
+    assert 1 <= cheap <= SpeculationPolicy.PAUSE_STEPS // 4
