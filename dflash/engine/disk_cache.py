@@ -66,19 +66,35 @@ def flat_bytes(t: Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1))
 
 
-def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor],
-                   model: str = "") -> int:
-    """Write one snapshot file's bytes to `out` from the tensors' memory; returns how many.
+def joined_bytes(pieces: Sequence[Tensor]) -> tuple[list[int], list[memoryview]]:
+    """The shape and bytes of `pieces` joined along dim 2 (a KVSnapshot chain's positions: [layers,
+    KV, positions, ...]), in the joined tensor's memory order, without making the joined tensor."""
+    if len(pieces) == 1:
+        return list(pieces[0].shape), [flat_bytes(pieces[0])]
+    shape = list(pieces[0].shape)
+    shape[2] = sum(piece.shape[2] for piece in pieces)
+    pieces = [piece.contiguous() for piece in pieces if piece.shape[2]]
+    return shape, [flat_bytes(piece[layer, head]) for layer in range(shape[0]) for head in range(shape[1]) for piece in pieces]
+
+
+def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int],
+                   tensors: dict[str, Tensor | Sequence[Tensor]], model: str = "") -> int:
+    """Write one snapshot file's bytes to `out` from the tensors' memory; returns how many. A list
+    is a tensor in pieces along dim 2 (`joined_bytes`), written as the joined tensor.
     `model`: the served model's name, for `dflash cache ls` (not part of the identity)."""
     table, chunks, offset = [], [], 0
     digest = hashlib.sha256()
     for name, t in tensors.items():
-        data = flat_bytes(t)
-        digest.update(data)
-        table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                      "offset": offset, "nbytes": data.nbytes})
-        chunks.append(data)
-        offset += data.nbytes
+        pieces = [t] if isinstance(t, Tensor) else list(t)
+        shape, data = joined_bytes(pieces)
+        nbytes = 0
+        for chunk in data:
+            digest.update(chunk)
+            nbytes += chunk.nbytes
+        table.append({"name": name, "dtype": str(pieces[0].dtype).removeprefix("torch."), "shape": shape,
+                      "offset": offset, "nbytes": nbytes})
+        chunks += data
+        offset += nbytes
     header = json.dumps({"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens),
                          "tensors": table, "sha256": digest.hexdigest()}).encode()
     out.write(struct.pack("<Q", len(header)))
@@ -88,7 +104,7 @@ def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int
     return 8 + len(header) + offset
 
 
-def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor], model: str = "") -> bytes:
+def encode(identity: dict[str, Any], tokens: Sequence[int], tensors: dict[str, Tensor | Sequence[Tensor]], model: str = "") -> bytes:
     """A snapshot file's bytes (write_snapshot into memory)."""
     out = io.BytesIO()
     write_snapshot(out, identity, tokens, tensors, model)
@@ -337,12 +353,14 @@ class DiskCache:
         name = tokens_name(tokens)
         if name in self._entries:
             return
-        tensors = {"keys": snapshot.keys, "values": snapshot.values}
+        # In pieces where the snapshot is built on others (kv.KVSnapshot): the file holds them joined.
+        tensors: dict[str, Tensor | list[Tensor]] = {"keys": snapshot.pieces("keys"), "values": snapshot.pieces("values")}
         if snapshot.key_scales is not None:  # an Int8KVCache's
-            tensors |= {"key_scales": snapshot.key_scales, "value_scales": snapshot.value_scales}
+            tensors |= {"key_scales": snapshot.pieces("key_scales"), "value_scales": snapshot.pieces("value_scales")}
         if draft_rows is not None:
             tensors["draft_rows"] = draft_rows
-        payload = sum(t.numel() * t.element_size() for t in tensors.values())
+        payload = sum(t.numel() * t.element_size() for value in tensors.values()
+                      for t in ([value] if isinstance(value, Tensor) else value))
         if payload > self.max_bytes:
             return
         try:
@@ -371,7 +389,7 @@ class DiskCache:
                 del item, tensors  # the snapshot's memory, once written
                 self._writes.task_done()
 
-    def _write(self, name: str, tokens: tuple[int, ...], tensors: dict[str, Tensor]) -> int:
+    def _write(self, name: str, tokens: tuple[int, ...], tensors: dict[str, Tensor | Sequence[Tensor]]) -> int:
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.folder / f"{name}{SUFFIX}"
         temporary = self.folder / f".{name}.{socket.gethostname()}.{os.getpid()}{TEMPORARY_SUFFIX}"

@@ -33,14 +33,40 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
 
 @attrs.frozen
 class KVSnapshot:
-    keys: Tensor  # [layers, KV, length, D]
+    """The keys and values of positions `start`..`length`; those before `start` are its base's.
+
+    Why a base: an agent's next turn snapshots a prompt that extends the last turn's by a few dozen
+    tokens, and a whole copy of a 20K-token cache is 460 MB, a tenth of a second and more of the
+    engine thread, each boundary of each turn. Built on the snapshot of the longest prefix already
+    kept, a turn's snapshot copies only its own tokens. Snapshots are never changed once made, so a
+    base shared by several is safe; MAX_CHAIN bounds how many a restore walks.
+    """
+
+    keys: Tensor  # [layers, KV, length - start, D]
     values: Tensor
     length: int
-    key_scales: Tensor | None = None  # [layers, KV, length]: an Int8KVCache's
+    key_scales: Tensor | None = None  # [layers, KV, length - start]: an Int8KVCache's
     value_scales: Tensor | None = None
+    base: KVSnapshot | None = None
+
+    MAX_CHAIN = 16  # snapshots in a chain, the base's included; a longer one would be copied whole
+
+    @property
+    def start(self) -> int:
+        return 0 if self.base is None else self.base.length
+
+    def chain(self) -> list[KVSnapshot]:
+        """The snapshots that hold this one's positions, the first positions first."""
+        links = [] if self.base is None else self.base.chain()
+        return links + [self]
+
+    def pieces(self, name: str) -> list[Tensor]:
+        """One tensor ("keys", "values", "key_scales", "value_scales") as its chain holds it."""
+        return [getattr(link, name) for link in self.chain()]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this snapshot's own positions (its base's are counted where the base is)."""
         scales = 0 if self.key_scales is None else self.key_scales.numel() * self.key_scales.element_size() * 2
         return self.keys.numel() * self.keys.element_size() * 2 + scales
 
@@ -89,20 +115,41 @@ class KVCache:
             raise ValueError(f"cannot crop KV length {self.length} to {length}")
         self.length = length
 
-    def snapshot(self, length: int | None = None) -> KVSnapshot:
+    def snapshot(self, length: int | None = None, base: KVSnapshot | None = None) -> KVSnapshot:
+        """A copy of positions 0..length (all committed by default). With `base`, a snapshot of this
+        cache's first base.length positions (the caller's word that they still hold what they held
+        then), only positions base.length.. are copied and the base is shared."""
         n = self.length if length is None else length
+        base = self._usable_base(base, n)
+        start = 0 if base is None else base.length
         narrow = self.snapshot_dtype
-        return KVSnapshot(self.keys[:, :, :n].to(narrow, copy=True), self.values[:, :, :n].to(narrow, copy=True), n)
+        return KVSnapshot(self.keys[:, :, start:n].to(narrow, copy=True), self.values[:, :, start:n].to(narrow, copy=True),
+                          n, base=base)
 
-    def restore(self, snap: KVSnapshot) -> None:
+    def _usable_base(self, base: KVSnapshot | None, length: int) -> KVSnapshot | None:
+        if base is None or base.length > length or len(base.chain()) >= KVSnapshot.MAX_CHAIN:
+            return None
+        if (base.key_scales is None) != (not self.quantized):
+            raise ValueError("a snapshot's base must come from the same kind of KV cache")
+        return base
+
+    def restore(self, snap: KVSnapshot, held: int = 0) -> None:
+        """Make the cache hold the snapshot's positions. `held`: how many of them the cache holds
+        already (the caller's word: the same tokens at the same positions), not copied again."""
         n = snap.length
         if n > self.max_ctx:
             raise ValueError(f"snapshot of {n} tokens does not fit a KV cache of {self.max_ctx}")
         if snap.key_scales is not None:
             raise ValueError("an int8 snapshot cannot be restored into a float KV cache")
-        self.keys[:, :, :n] = snap.keys
-        self.values[:, :, :n] = snap.values
+        for link in snap.chain():
+            self._restore_link(link, min(max(held, link.start), link.length))
         self.length = n
+
+    def _restore_link(self, link: KVSnapshot, begin: int) -> None:
+        """Positions begin..link.length from the snapshot link holding link.start..link.length."""
+        skip, end = begin - link.start, link.length
+        self.keys[:, :, begin:end] = link.keys[:, :, skip:]
+        self.values[:, :, begin:end] = link.values[:, :, skip:]
 
 
 class Int8KVCache(KVCache):
@@ -144,22 +191,28 @@ class Int8KVCache(KVCache):
         return (dequantized(self.keys[layer, :, :end], self.key_scales[layer, :, :end], KEY_OFFSET),
                 dequantized(self.values[layer, :, :end], self.value_scales[layer, :, :end], 0))
 
-    def snapshot(self, length: int | None = None) -> KVSnapshot:
+    def snapshot(self, length: int | None = None, base: KVSnapshot | None = None) -> KVSnapshot:
         n = self.length if length is None else length
-        return KVSnapshot(self.keys[:, :, :n].clone(), self.values[:, :, :n].clone(), n,
-                          self.key_scales[:, :, :n].clone(), self.value_scales[:, :, :n].clone())
+        base = self._usable_base(base, n)
+        start = 0 if base is None else base.length
+        return KVSnapshot(self.keys[:, :, start:n].clone(), self.values[:, :, start:n].clone(), n,
+                          self.key_scales[:, :, start:n].clone(), self.value_scales[:, :, start:n].clone(), base)
 
-    def restore(self, snap: KVSnapshot) -> None:
+    def restore(self, snap: KVSnapshot, held: int = 0) -> None:
         n = snap.length
         if n > self.max_ctx:
             raise ValueError(f"snapshot of {n} tokens does not fit a KV cache of {self.max_ctx}")
         if snap.key_scales is None or snap.keys.dtype != torch.uint8:
             raise ValueError(f"a {snap.keys.dtype} snapshot cannot be restored into an int8 KV cache")
-        self.keys[:, :, :n] = snap.keys
-        self.values[:, :, :n] = snap.values
-        self.key_scales[:, :, :n] = snap.key_scales
-        self.value_scales[:, :, :n] = snap.value_scales
+        for link in snap.chain():
+            self._restore_link(link, min(max(held, link.start), link.length))
         self.length = n
+
+    def _restore_link(self, link: KVSnapshot, begin: int) -> None:
+        super()._restore_link(link, begin)
+        skip, end = begin - link.start, link.length
+        self.key_scales[:, :, begin:end] = link.key_scales[:, :, skip:]
+        self.value_scales[:, :, begin:end] = link.value_scales[:, :, skip:]
 
 
 KEY_OFFSET = 128  # an Int8KVCache key code c is stored as the byte c + 128

@@ -3,8 +3,9 @@ restores the deepest match and prefills only the rest.
 
 Two tiers share one LRU discipline: boundary entries (message boundaries the chat layer names, the
 prefix a conversation's next request will share) and exact-prompt entries (an identical request
-skips prefill). Entries are right-sized copies of the cache (`[:length]`), bounded by a slot count
-and a memory budget. The engine's live state is not stored here: it is reused directly when the next
+skips prefill). Entries are right-sized copies of the cache (`[:length]`), each built on the entry
+of its longest prefix where there is one (kv.KVSnapshot: only its own positions are copied), bounded
+by a slot count and a memory budget. The engine's live state is not stored here: it is reused directly when the next
 prompt extends it.
 """
 
@@ -27,7 +28,9 @@ class CacheEntry:
 
 
 def snapshot_bytes(snapshot, draft_rows: Tensor | None) -> int:
-    total = getattr(snapshot, "nbytes", 0)
+    """The entry's memory: its snapshot's whole chain (the bases it shares included) and rows."""
+    links = snapshot.chain() if hasattr(snapshot, "chain") else [snapshot]
+    total = sum(getattr(link, "nbytes", 0) for link in links)
     if draft_rows is not None:
         total += draft_rows.numel() * draft_rows.element_size()
     return total
@@ -83,6 +86,14 @@ class PrefixCache:
                 best = entry, given
         return best
 
+    def longest_prefix_of(self, tokens: Sequence[int]) -> CacheEntry | None:
+        """The entry whose tokens are the longest proper prefix of `tokens` (all of them)."""
+        best = None
+        for key, entry in self._entries.items():
+            if len(key) < len(tokens) and (best is None or len(key) > len(best.tokens)) and tuple(tokens[: len(key)]) == key:
+                best = entry
+        return best
+
     def lookup(self, prompt: Sequence[int]) -> tuple[CacheEntry, int] | None:
         """`deepest`, counted as a hit."""
         best = self.deepest(prompt)
@@ -98,13 +109,24 @@ class PrefixCache:
         entry = CacheEntry(key, snapshot, draft_rows, snapshot_bytes(snapshot, draft_rows), generated_from)
         if entry.nbytes > self.budget_bytes:
             return
-        if key in self._entries:
-            self.nbytes -= self._entries.pop(key).nbytes
+        self._entries.pop(key, None)
         self._entries[key] = entry
-        self.nbytes += entry.nbytes
+        self.nbytes = self._held_bytes()
         while len(self._entries) > self.slots or self.nbytes > self.budget_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
+            self._entries.popitem(last=False)
+            self.nbytes = self._held_bytes()
+
+    def _held_bytes(self) -> int:
+        """What the entries hold, a base shared by several snapshots once. An evicted snapshot that
+        is the base of one still here stays held (and counted) until that one goes too."""
+        links, total = {}, 0
+        for entry in self._entries.values():
+            snapshot = entry.snapshot
+            for link in snapshot.chain() if hasattr(snapshot, "chain") else [snapshot]:
+                links[id(link)] = getattr(link, "nbytes", 0)
+            if entry.draft_rows is not None:
+                total += entry.draft_rows.numel() * entry.draft_rows.element_size()
+        return total + sum(links.values())
 
     def clear(self) -> None:
         self._entries.clear()

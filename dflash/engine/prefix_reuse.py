@@ -144,7 +144,10 @@ class PrefixReuse:
     def _restore(self, entry: CacheEntry, given: int) -> int:
         """Make the KV state hold the first `given` tokens of `entry`; returns how many it holds."""
         common = common_prefix_length(self.committed, entry.tokens)
-        self.kv.restore(entry.snapshot)
+        if isinstance(entry.snapshot, KVSnapshot):  # positions the live state holds already stay
+            self.kv.restore(entry.snapshot, held=min(common, self.kv.length))
+        else:
+            self.kv.restore(entry.snapshot)
         self.committed = list(entry.tokens)
         self.generated_from = entry.generated_from
         if self.drafter is not None:
@@ -153,6 +156,16 @@ class PrefixReuse:
             else:
                 self.drafter.crop(common)
         return self.rollback(given) if given < len(entry.tokens) else len(entry.tokens)
+
+    def _kept_prefix(self, tokens: Sequence[int]) -> KVSnapshot | None:
+        """The snapshot in memory of the longest proper prefix of `tokens` (all its tokens, so the
+        live state's first positions hold what it holds: they are the same tokens)."""
+        best = None
+        for cache in (self.prefix_cache, self.prompt_cache):
+            found = cache.longest_prefix_of(tokens)
+            if found is not None and isinstance(found.snapshot, KVSnapshot) and (best is None or found.snapshot.length > best.length):
+                best = found.snapshot
+        return best
 
     def _snapshot(self, cache: PrefixCache, generated_from: int | None = None, length: int | None = None) -> None:
         """Store the state of the first `length` committed tokens (all by default) in `cache`, a
@@ -163,7 +176,10 @@ class PrefixReuse:
         rows = self.drafter.context_rows(len(tokens)) if self.drafter is not None else None
         if rows is not None and rows.shape[0] != len(tokens):
             rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
-        snapshot = self.kv.snapshot(len(tokens))
+        if self.kv.snapshots_any_prefix:  # built on the deepest snapshot kept of these tokens' prefix
+            snapshot = self.kv.snapshot(len(tokens), base=self._kept_prefix(tokens))
+        else:
+            snapshot = self.kv.snapshot(len(tokens))
         cache.store(tokens, snapshot, rows, generated_from)
         if self.disk_cache is not None and isinstance(snapshot, KVSnapshot):  # not the transformers backend
             self.disk_cache.store(tokens, snapshot, rows)

@@ -203,3 +203,38 @@ def test_a_folder_left_over_budget_is_trimmed_at_start(model, tmp_path):
     left = sorted(tmp_path.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
     assert sum(p.stat().st_size for p in left) <= one_file * 2.5
     assert left == files[-len(left):] and len(disk) == len(left)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_snapshot_built_on_another_is_written_whole(tmp_path, int8):
+    """A snapshot in pieces (kv.KVSnapshot's base) goes to disk as the file of the joined tensors,
+    byte for byte the file a whole copy makes, and comes back whole."""
+    import torch
+
+    from dflash.engine.disk_cache import decode, encode
+    from dflash.engine.kv import KVSnapshot
+
+    torch.manual_seed(0)
+    if int8:
+        def part(n, base=None):
+            return KVSnapshot(torch.randint(0, 255, (2, 3, n, 4), dtype=torch.uint8),
+                              torch.randint(-127, 127, (2, 3, n, 4), dtype=torch.int8), (base.length if base else 0) + n,
+                              torch.rand(2, 3, n), torch.rand(2, 3, n), base)
+    else:
+        def part(n, base=None):
+            return KVSnapshot(torch.randn(2, 3, n, 4), torch.randn(2, 3, n, 4), (base.length if base else 0) + n, base=base)
+    first = part(5)
+    second = part(0, first)
+    chained = part(4, second)
+    names = ["keys", "values"] + (["key_scales", "value_scales"] if int8 else [])
+    whole = {name: torch.cat(chained.pieces(name), dim=2) for name in names}
+    tokens = CONVERSATION[:9]
+    assert encode(IDENTITY, tokens, {name: chained.pieces(name) for name in names}) == encode(IDENTITY, tokens, whole)
+    disk = DiskCache(tmp_path, max_bytes=1 << 30, identity=IDENTITY)
+    disk.store(tokens, chained, None)
+    disk.flush()
+    loaded = decode(next(tmp_path.glob(f"*{SUFFIX}")), IDENTITY)
+    assert loaded.snapshot.base is None and loaded.snapshot.length == 9
+    for name in names:
+        assert torch.equal(getattr(loaded.snapshot, name), whole[name])
+    disk.close()

@@ -211,3 +211,51 @@ def test_the_turn_cache_keeps_the_last_turn_of_each_of_two_interleaved_conversat
         assert generation.stats.cached_tokens == len(prompts[name]) + (4 if name == "a" else 2)
         assert out == reference_greedy(engine, follow_up, 4)
     assert len(engine.prefix_cache) <= 4
+
+
+def test_a_boundary_snapshot_copies_only_the_positions_past_the_snapshot_it_extends():
+    """A conversation's next boundary is built on the one before (an agent's turn 2 copied the whole
+    20K-token cache, 460 MB, at each of its boundaries); restored from scratch it gives what the
+    whole copy gave, and the memory counted is each position once."""
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    engine.prefix_cache = PrefixCache(slots=4, budget_bytes=1 << 30)
+    conversation = PROMPT + [44, 45, 46, 47]
+    engine.start(conversation, SamplingParams(), max_tokens=2, snapshot_at=[5, 11]).run()
+    entries = {len(key): entry for key, entry in engine.prefix_cache._entries.items()}
+    shallow, deep = entries[5].snapshot, entries[11].snapshot
+    assert deep.base is shallow and deep.keys.shape[2] == 6 and shallow.keys.shape[2] == 5
+    per_token = engine.kv.snapshot(1).nbytes
+    assert engine.prefix_cache.nbytes == 11 * per_token
+    whole = engine.kv.snapshot(11)
+    engine.rollback(0)
+    engine.kv.keys.fill_(float("nan"))  # nothing of the live state may survive into the restore
+    engine.kv.values.fill_(float("nan"))
+    other = engine.start(PROMPT[:11] + [9, 9, 9], SamplingParams(), max_tokens=4)
+    out = other.run()
+    assert other.stats.cached_tokens == 11
+    assert torch.equal(engine.kv.keys[:, :, :11], whole.keys) and torch.equal(engine.kv.values[:, :, :11], whole.values)
+    assert out == reference_greedy(engine, PROMPT[:11] + [9, 9, 9], 4)
+
+
+def test_a_restore_copies_only_the_positions_the_live_state_does_not_share():
+    engine = make_engine()
+    engine.start(PROMPT, SamplingParams(), max_tokens=1).run()
+    snapshot = engine.kv.snapshot(10)
+    engine.kv.keys[:, :, :4] = 7.0  # stands for positions the caller says the cache holds already
+    engine.kv.restore(snapshot, held=4)
+    assert (engine.kv.keys[:, :, :4] == 7.0).all()
+    assert torch.equal(engine.kv.keys[:, :, 4:10], snapshot.keys[:, :, 4:10]) and engine.kv.length == 10
+
+
+def test_an_evicted_base_is_counted_while_a_snapshot_built_on_it_stays():
+    from dflash.engine.prefix_cache import PrefixCache
+
+    engine = make_engine()
+    engine.start(PROMPT, SamplingParams(), max_tokens=1).run()
+    cache = PrefixCache(slots=1, budget_bytes=1 << 30)
+    base = engine.kv.snapshot(5)
+    cache.store(PROMPT[:5], base)
+    cache.store(PROMPT[:9], engine.kv.snapshot(9, base=base))  # evicts the base's entry (one slot)
+    assert len(cache) == 1 and cache.nbytes == 9 * engine.kv.snapshot(1).nbytes  # its memory is still held
