@@ -54,7 +54,7 @@ class DiskEntry:
 class LoadedSnapshot:
     tokens: tuple[int, ...]
     snapshot: KVSnapshot
-    draft_rows: Tensor | None
+    draft_rows: tuple[Tensor, ...] | None  # one piece
 
 
 def tokens_name(tokens: Sequence[int]) -> str:
@@ -66,13 +66,14 @@ def flat_bytes(t: Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1))
 
 
-def joined_bytes(pieces: Sequence[Tensor]) -> tuple[list[int], list[memoryview]]:
-    """The shape and bytes of `pieces` joined along dim 2 (a KVSnapshot chain's positions: [layers,
-    KV, positions, ...]), in the joined tensor's memory order, without making the joined tensor."""
-    if len(pieces) == 1:
-        return list(pieces[0].shape), [flat_bytes(pieces[0])]
+def joined_bytes(pieces: Sequence[Tensor], dim: int) -> tuple[list[int], list[memoryview]]:
+    """The shape and bytes of `pieces` joined along `dim`, 0 (draft rows) or 2 (a KVSnapshot
+    chain's positions: [layers, KV, positions, ...]), in the joined tensor's memory order, without
+    making the joined tensor."""
     shape = list(pieces[0].shape)
-    shape[2] = sum(piece.shape[2] for piece in pieces)
+    shape[dim] = sum(piece.shape[dim] for piece in pieces)
+    if len(pieces) == 1 or dim == 0:
+        return shape, [flat_bytes(piece) for piece in pieces]
     pieces = [piece.contiguous() for piece in pieces if piece.shape[2]]
     return shape, [flat_bytes(piece[layer, head]) for layer in range(shape[0]) for head in range(shape[1]) for piece in pieces]
 
@@ -80,13 +81,14 @@ def joined_bytes(pieces: Sequence[Tensor]) -> tuple[list[int], list[memoryview]]
 def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int],
                    tensors: dict[str, Tensor | Sequence[Tensor]], model: str = "") -> int:
     """Write one snapshot file's bytes to `out` from the tensors' memory; returns how many. A list
-    is a tensor in pieces along dim 2 (`joined_bytes`), written as the joined tensor.
+    is a tensor in pieces (`joined_bytes`: draft rows along dim 0, the rest along dim 2), written
+    as the joined tensor.
     `model`: the served model's name, for `dflash cache ls` (not part of the identity)."""
     table, chunks, offset = [], [], 0
     digest = hashlib.sha256()
     for name, t in tensors.items():
         pieces = [t] if isinstance(t, Tensor) else list(t)
-        shape, data = joined_bytes(pieces)
+        shape, data = joined_bytes(pieces, 0 if name == "draft_rows" else 2)
         nbytes = 0
         for chunk in data:
             digest.update(chunk)
@@ -149,7 +151,8 @@ def decode(path: Path, identity: dict[str, Any]) -> LoadedSnapshot:
         tensors[entry["name"]] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).reshape(entry["shape"])
     tokens = tuple(header["tokens"])
     snapshot = KVSnapshot(tensors["keys"], tensors["values"], len(tokens), tensors.get("key_scales"), tensors.get("value_scales"))
-    return LoadedSnapshot(tokens, snapshot, tensors.get("draft_rows"))
+    rows = tensors.get("draft_rows")
+    return LoadedSnapshot(tokens, snapshot, None if rows is None else (rows,))
 
 
 def _abandoned(temporary: Path) -> bool:
@@ -345,7 +348,7 @@ class DiskCache:
             return loaded
         return None
 
-    def store(self, tokens: Sequence[int], snapshot: KVSnapshot, draft_rows: Tensor | None) -> None:
+    def store(self, tokens: Sequence[int], snapshot: KVSnapshot, draft_rows: Sequence[Tensor] | None) -> None:
         """Queue the snapshot for the writer thread (engine thread: no copy, no checksum). Its
         tensors are copies no one changes (kv.snapshot, the drafter's context_rows)."""
         if not self.enabled or self._write_failed:
@@ -358,7 +361,7 @@ class DiskCache:
         if snapshot.key_scales is not None:  # an Int8KVCache's
             tensors |= {"key_scales": snapshot.pieces("key_scales"), "value_scales": snapshot.pieces("value_scales")}
         if draft_rows is not None:
-            tensors["draft_rows"] = draft_rows
+            tensors["draft_rows"] = list(draft_rows)
         payload = sum(t.numel() * t.element_size() for value in tensors.values()
                       for t in ([value] if isinstance(value, Tensor) else value))
         if payload > self.max_bytes:

@@ -22,18 +22,24 @@ from torch import Tensor
 class CacheEntry:
     tokens: tuple[int, ...]
     snapshot: object  # KVSnapshot (built-in decoder) or an HFCache copy
-    draft_rows: Tensor | None  # the DFlash drafter's captured target rows for these tokens
+    draft_rows: tuple[Tensor, ...] | None  # the DFlash drafter's captured target rows for these tokens, in pieces
     nbytes: int
     generated_from: int | None = None  # tokens from here on were generated (an agent turn checkpoint)
 
 
-def snapshot_bytes(snapshot, draft_rows: Tensor | None) -> int:
+def snapshot_bytes(snapshot, draft_rows: Sequence[Tensor] | None) -> int:
     """The entry's memory: its snapshot's whole chain (the bases it shares included) and rows."""
+    return sum(_parts(snapshot, draft_rows).values())
+
+
+def _parts(snapshot, draft_rows: Sequence[Tensor] | None) -> dict[int, int]:
+    """id -> bytes of each piece of memory an entry holds: its snapshot's chain (kv.KVSnapshot)
+    and its draft rows' pieces, which it may share with other entries."""
     links = snapshot.chain() if hasattr(snapshot, "chain") else [snapshot]
-    total = sum(getattr(link, "nbytes", 0) for link in links)
-    if draft_rows is not None:
-        total += draft_rows.numel() * draft_rows.element_size()
-    return total
+    parts = {id(link): getattr(link, "nbytes", 0) for link in links}
+    for piece in draft_rows or ():
+        parts[id(piece)] = piece.numel() * piece.element_size()
+    return parts
 
 
 def _given(key: tuple[int, ...], generated_from: int | None, prompt: Sequence[int]) -> int:
@@ -101,7 +107,7 @@ class PrefixCache:
             self._entries.move_to_end(best[0].tokens)
         return best
 
-    def store(self, tokens: Sequence[int], snapshot, draft_rows: Tensor | None = None,
+    def store(self, tokens: Sequence[int], snapshot, draft_rows: tuple[Tensor, ...] | None = None,
               generated_from: int | None = None) -> None:
         if not self.enabled:
             return
@@ -117,16 +123,12 @@ class PrefixCache:
             self.nbytes = self._held_bytes()
 
     def _held_bytes(self) -> int:
-        """What the entries hold, a base shared by several snapshots once. An evicted snapshot that
+        """What the entries hold, a piece shared by several snapshots once. An evicted snapshot that
         is the base of one still here stays held (and counted) until that one goes too."""
-        links, total = {}, 0
+        parts: dict[int, int] = {}
         for entry in self._entries.values():
-            snapshot = entry.snapshot
-            for link in snapshot.chain() if hasattr(snapshot, "chain") else [snapshot]:
-                links[id(link)] = getattr(link, "nbytes", 0)
-            if entry.draft_rows is not None:
-                total += entry.draft_rows.numel() * entry.draft_rows.element_size()
-        return total + sum(links.values())
+            parts |= _parts(entry.snapshot, entry.draft_rows)
+        return sum(parts.values())
 
     def clear(self) -> None:
         self._entries.clear()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from torch import Tensor
+
 from dflash.engine.disk_cache import DiskCache
 from dflash.engine.kv import KVSnapshot
 from dflash.engine.prefix_cache import CacheEntry, PrefixCache
@@ -157,29 +159,43 @@ class PrefixReuse:
                 self.drafter.crop(common)
         return self.rollback(given) if given < len(entry.tokens) else len(entry.tokens)
 
-    def _kept_prefix(self, tokens: Sequence[int]) -> KVSnapshot | None:
-        """The snapshot in memory of the longest proper prefix of `tokens` (all its tokens, so the
-        live state's first positions hold what it holds: they are the same tokens)."""
+    def _kept_prefix(self, tokens: Sequence[int]) -> CacheEntry | None:
+        """The entry in memory of the longest proper prefix of `tokens` (all its tokens, so the
+        live state's first positions hold what its snapshot holds: they are the same tokens)."""
         best = None
         for cache in (self.prefix_cache, self.prompt_cache):
             found = cache.longest_prefix_of(tokens)
-            if found is not None and isinstance(found.snapshot, KVSnapshot) and (best is None or found.snapshot.length > best.length):
-                best = found.snapshot
+            if found is not None and isinstance(found.snapshot, KVSnapshot) and (best is None or len(found.tokens) > len(best.tokens)):
+                best = found
         return best
 
     def _snapshot(self, cache: PrefixCache, generated_from: int | None = None, length: int | None = None) -> None:
-        """Store the state of the first `length` committed tokens (all by default) in `cache`, a
-        right-sized copy."""
+        """Store the state of the first `length` committed tokens (all by default) in `cache`: a
+        right-sized copy, or only the positions past the entry of its longest prefix, built on it."""
         tokens = self.committed if length is None else self.committed[:length]
         if not cache.enabled or tokens in cache:
             return
-        rows = self.drafter.context_rows(len(tokens)) if self.drafter is not None else None
-        if rows is not None and rows.shape[0] != len(tokens):
-            rows = None  # the drafter's context is incomplete; a restore will rebuild what it can
-        if self.kv.snapshots_any_prefix:  # built on the deepest snapshot kept of these tokens' prefix
-            snapshot = self.kv.snapshot(len(tokens), base=self._kept_prefix(tokens))
+        if self.kv.snapshots_any_prefix:
+            base = self._kept_prefix(tokens)
+            snapshot = self.kv.snapshot(len(tokens), base=base.snapshot if base is not None else None)
+            if snapshot.base is None:
+                base = None  # declined (a chain at its longest): a whole copy
         else:
-            snapshot = self.kv.snapshot(len(tokens))
+            base, snapshot = None, self.kv.snapshot(len(tokens))
+        rows = self._draft_rows(len(tokens), base)
         cache.store(tokens, snapshot, rows, generated_from)
         if self.disk_cache is not None and isinstance(snapshot, KVSnapshot):  # not the transformers backend
             self.disk_cache.store(tokens, snapshot, rows)
+
+    def _draft_rows(self, length: int, base: CacheEntry | None) -> tuple[Tensor, ...] | None:
+        """The DFlash drafter's rows of the first `length` committed tokens, in pieces: the base
+        entry's, then a copy of the rest; None without a drafter or where its context is incomplete
+        (a restore then rebuilds what it can)."""
+        if self.drafter is None:
+            return None
+        shared = base.draft_rows if base is not None and base.draft_rows is not None else ()
+        start = sum(piece.shape[0] for piece in shared)
+        own = self.drafter.context_rows(length, start=start)
+        if start + own.shape[0] != length:
+            return None
+        return (*shared, own)

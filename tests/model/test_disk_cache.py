@@ -230,11 +230,13 @@ def test_a_snapshot_built_on_another_is_written_whole(tmp_path, int8):
     whole = {name: torch.cat(chained.pieces(name), dim=2) for name in names}
     tokens = CONVERSATION[:9]
     assert encode(IDENTITY, tokens, {name: chained.pieces(name) for name in names}) == encode(IDENTITY, tokens, whole)
+    rows = (torch.randn(5, 6), torch.randn(0, 6), torch.randn(4, 6))  # the drafter's rows, in pieces as well
     disk = DiskCache(tmp_path, max_bytes=1 << 30, identity=IDENTITY)
-    disk.store(tokens, chained, None)
+    disk.store(tokens, chained, rows)
     disk.flush()
     loaded = decode(next(tmp_path.glob(f"*{SUFFIX}")), IDENTITY)
     assert loaded.snapshot.base is None and loaded.snapshot.length == 9
+    assert len(loaded.draft_rows) == 1 and torch.equal(loaded.draft_rows[0], torch.cat(rows))
     for name in names:
         assert torch.equal(getattr(loaded.snapshot, name), whole[name])
     disk.close()

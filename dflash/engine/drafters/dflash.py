@@ -349,16 +349,23 @@ class DFlashDrafter:
         self.length = min(self.length, length)
         self.kv.crop(min(self.kv.length, self.length))
 
-    def context_rows(self, length: int | None = None) -> Tensor:
-        """A copy of the captured rows of the first `length` committed tokens (for a prefix-cache
+    def context_rows(self, length: int | None = None, start: int = 0) -> Tensor:
+        """A copy of the captured rows of committed tokens start..length (for a prefix-cache
         snapshot); all of them by default."""
-        return self.rows[: self.length if length is None else min(length, self.length)].clone()
+        end = self.length if length is None else min(length, self.length)
+        return self.rows[min(start, end) : end].clone()
 
-    def restore(self, rows: Tensor, common: int) -> None:
-        """Adopt the committed rows of a restored snapshot; the first `common` rows are unchanged."""
+    def restore(self, rows: Sequence[Tensor], common: int) -> None:
+        """Adopt the committed rows of a restored snapshot, in pieces one after another (a snapshot
+        built on others: prefix_cache.py); the first `common` rows are unchanged."""
         self.crop(common)
-        self.rows[common : rows.shape[0]] = rows[common:]
-        self.length = rows.shape[0]
+        start = 0
+        for piece in rows:
+            end = start + piece.shape[0]
+            if end > common:
+                self.rows[max(start, common) : end] = piece[max(common - start, 0) :]
+            start = end
+        self.length = start
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
