@@ -5,6 +5,12 @@ the snapshot's tokens, a tensor table, the payload's SHA-256) and the raw tensor
 identity differs (another model, dtype, context size or chat template), whose checksum fails or that
 is truncated or unreadable is skipped with a warning and removed: never served, never a crash.
 
+A snapshot built on another (kv.KVSnapshot's base) whose base is on disk holds only its own
+positions, and its header names the base's file ("base": name and token count): an agent's turn
+writes the few dozen tokens it added, not the whole conversation again (two 460 MB files a turn at
+20K tokens). Reading it reads its base first; a file whose base is gone is skipped like a damaged
+one, and the trim removes a file's dependents with it. Chains are at most KVSnapshot.MAX_CHAIN long.
+
 Writes happen off the request path: the engine thread only queues the snapshot's tensors (copies
 already, shared with the memory prefix cache), and a writer thread checksums them and puts them on
 disk atomically (temporary file + rename) straight from the tensors' memory, then trims the folder to
@@ -48,6 +54,7 @@ class DiskEntry:
     tokens: tuple[int, ...]
     path: Path
     nbytes: int  # the file's size
+    base: str | None = None  # the name of the file holding its first positions, if not itself
 
 
 @attrs.frozen
@@ -79,11 +86,12 @@ def joined_bytes(pieces: Sequence[Tensor], dim: int) -> tuple[list[int], list[me
 
 
 def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int],
-                   tensors: dict[str, Tensor | Sequence[Tensor]], model: str = "") -> int:
+                   tensors: dict[str, Tensor | Sequence[Tensor]], model: str = "", base: dict[str, Any] | None = None) -> int:
     """Write one snapshot file's bytes to `out` from the tensors' memory; returns how many. A list
     is a tensor in pieces (`joined_bytes`: draft rows along dim 0, the rest along dim 2), written
     as the joined tensor.
-    `model`: the served model's name, for `dflash cache ls` (not part of the identity)."""
+    `model`: the served model's name, for `dflash cache ls` (not part of the identity). `base`:
+    {"name", "tokens"} of the file holding the first positions, the tensors holding the rest."""
     table, chunks, offset = [], [], 0
     digest = hashlib.sha256()
     for name, t in tensors.items():
@@ -97,8 +105,9 @@ def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int
                       "offset": offset, "nbytes": nbytes})
         chunks += data
         offset += nbytes
-    header = json.dumps({"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens),
-                         "tensors": table, "sha256": digest.hexdigest()}).encode()
+    fields = {"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens), "tensors": table,
+              "sha256": digest.hexdigest()}
+    header = json.dumps(fields if base is None else fields | {"base": base}).encode()
     out.write(struct.pack("<Q", len(header)))
     out.write(header)
     for data in chunks:
@@ -137,10 +146,37 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + length
 
 
-def decode(path: Path, identity: dict[str, Any]) -> LoadedSnapshot:
+def base_of(header: dict[str, Any]) -> tuple[str, int] | None:
+    """(file name, token count) of the base a header names, or None."""
+    base = header.get("base")
+    if base is None:
+        return None
+    if not isinstance(base, dict) or not isinstance(base.get("name"), str) or not isinstance(base.get("tokens"), int):
+        raise CorruptSnapshot(f"unreadable base {base!r}")
+    return base["name"], base["tokens"]
+
+
+def decode(path: Path, identity: dict[str, Any], used: list[Path] | None = None, depth: int = 1) -> LoadedSnapshot:
+    """The snapshot of a file, its base's first (`used`: every file read is appended; `depth`:
+    this file's place in the chain, from the file asked for)."""
     header, start = read_header(path)
     if header.get("identity") != identity:
         raise CorruptSnapshot("made by another model, dtype, context size or chat template")
+    tokens = tuple(header["tokens"])
+    base, base_rows = None, None
+    if (named := base_of(header)) is not None:
+        name, count = named
+        if depth >= KVSnapshot.MAX_CHAIN or not 0 < count < len(tokens) or Path(name).name != name:
+            raise CorruptSnapshot(f"base {name!r} of {count} tokens is not a shorter snapshot in the folder")
+        try:
+            loaded = decode(path.with_name(f"{name}{SUFFIX}"), identity, used, depth + 1)
+        except FileNotFoundError:
+            raise CorruptSnapshot(f"its base {name} is gone") from None
+        except CorruptSnapshot as exc:
+            raise CorruptSnapshot(f"its base {name}: {exc}") from None
+        if loaded.tokens != tokens[:count]:
+            raise CorruptSnapshot(f"its base {name} holds other tokens")
+        base, base_rows = loaded.snapshot, loaded.draft_rows
     payload = path.read_bytes()[start:]
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise CorruptSnapshot("checksum mismatch (truncated or damaged payload)")
@@ -149,10 +185,16 @@ def decode(path: Path, identity: dict[str, Any]) -> LoadedSnapshot:
         chunk = bytearray(payload[entry["offset"] : entry["offset"] + entry["nbytes"]])
         dtype = getattr(torch, entry["dtype"])
         tensors[entry["name"]] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).reshape(entry["shape"])
-    tokens = tuple(header["tokens"])
-    snapshot = KVSnapshot(tensors["keys"], tensors["values"], len(tokens), tensors.get("key_scales"), tensors.get("value_scales"))
+    snapshot = KVSnapshot(tensors["keys"], tensors["values"], len(tokens), tensors.get("key_scales"), tensors.get("value_scales"),
+                          base)
+    if snapshot.keys.shape[2] != len(tokens) - snapshot.start:
+        raise CorruptSnapshot(f"holds {snapshot.keys.shape[2]} positions of {len(tokens) - snapshot.start}")
     rows = tensors.get("draft_rows")
-    return LoadedSnapshot(tokens, snapshot, None if rows is None else (rows,))
+    if used is not None:
+        used.append(path)
+    if rows is None or (base is not None and base_rows is None):
+        return LoadedSnapshot(tokens, snapshot, None)
+    return LoadedSnapshot(tokens, snapshot, (*(base_rows or ()), rows))
 
 
 def _abandoned(temporary: Path) -> bool:
@@ -251,6 +293,20 @@ def run_in_background() -> None:
         pass
 
 
+def t_pieces(value: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
+    return [value] if isinstance(value, Tensor) else value
+
+
+def rows_from(pieces: Sequence[Tensor], start: int) -> list[Tensor]:
+    """Rows start.. of rows in pieces one after another (along dim 0)."""
+    out, offset = [], 0
+    for piece in pieces:
+        if offset + piece.shape[0] > start:
+            out.append(piece[max(start - offset, 0) :])
+        offset += piece.shape[0]
+    return out
+
+
 class DiskCache:
     def __init__(self, folder: str | os.PathLike | None, max_bytes: int, identity: dict[str, Any], model: str = ""):
         self.folder = Path(folder).expanduser() if folder else None
@@ -260,7 +316,7 @@ class DiskCache:
         self._entries: dict[str, DiskEntry] = {}
         self.hits = 0  # snapshots restored from here (counted by the caller that restores them)
         self._write_failed = False
-        self._writes: queue.Queue[tuple[str, tuple[int, ...], dict[str, Tensor]] | None] = queue.Queue(maxsize=8)
+        self._writes: queue.Queue[tuple[str, tuple[int, ...], KVSnapshot, tuple[Tensor, ...] | None] | None] = queue.Queue(maxsize=8)
         self._writer: threading.Thread | None = None
         if self.folder is not None:
             self._scan()
@@ -298,13 +354,14 @@ class DiskCache:
             if header.get("identity") != self.identity:
                 raise CorruptSnapshot("made by another model, dtype, context size or chat template")
             tokens = tuple(header["tokens"])
+            base = base_of(header)
             size = path.stat().st_size
         except FileNotFoundError:
             return  # trimmed by another process between the listing and the read
         except (CorruptSnapshot, OSError, KeyError, TypeError) as exc:
             self._discard(path, exc)
             return
-        self._entries[path.stem] = DiskEntry(tokens, path, size)
+        self._entries[path.stem] = DiskEntry(tokens, path, size, None if base is None else base[0])
 
     def _index_new_files(self) -> None:
         """Index the snapshots other processes wrote to the folder since: the replicas of a
@@ -338,13 +395,18 @@ class DiskCache:
         for entry in candidates:
             if tuple(prompt[: len(entry.tokens)]) != entry.tokens:
                 continue
+            used: list[Path] = []
             try:
-                loaded = decode(entry.path, self.identity)
+                loaded = decode(entry.path, self.identity, used)
             except (CorruptSnapshot, OSError, KeyError, TypeError, ValueError, RuntimeError) as exc:
                 self._entries.pop(entry.path.stem, None)
                 self._discard(entry.path, exc)
                 continue
-            os.utime(entry.path)  # last use, for the oldest-first trim
+            for path in used:  # last use, for the oldest-first trim: the bases as recent as the file
+                try:
+                    os.utime(path)
+                except OSError:
+                    pass
             return loaded
         return None
 
@@ -356,31 +418,51 @@ class DiskCache:
         name = tokens_name(tokens)
         if name in self._entries:
             return
-        # In pieces where the snapshot is built on others (kv.KVSnapshot): the file holds them joined.
-        tensors: dict[str, Tensor | list[Tensor]] = {"keys": snapshot.pieces("keys"), "values": snapshot.pieces("values")}
-        if snapshot.key_scales is not None:  # an Int8KVCache's
-            tensors |= {"key_scales": snapshot.pieces("key_scales"), "value_scales": snapshot.pieces("value_scales")}
-        if draft_rows is not None:
-            tensors["draft_rows"] = list(draft_rows)
-        payload = sum(t.numel() * t.element_size() for value in tensors.values()
-                      for t in ([value] if isinstance(value, Tensor) else value))
+        base = self._base_name(tokens, snapshot)
+        payload = sum(t.numel() * t.element_size() for t in self._tensors(snapshot, draft_rows, base is not None).values()
+                      for t in t_pieces(t))
         if payload > self.max_bytes:
             return
         try:
-            self._writes.put_nowait((name, tuple(tokens), tensors))
+            self._writes.put_nowait((name, tuple(tokens), snapshot, tuple(draft_rows) if draft_rows is not None else None))
         except queue.Full:
             return  # the disk is behind; this snapshot stays in memory only
         # Indexed now (its size without the header until written), so the next prompt looks here.
-        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}", payload)
+        self._entries[name] = DiskEntry(tuple(tokens), self.folder / f"{name}{SUFFIX}", payload, base)
+
+    def _base_name(self, tokens: Sequence[int], snapshot: KVSnapshot) -> str | None:
+        """The file to write `snapshot` on: its base's, where that is indexed (written or queued)
+        and its chain on disk leaves room for one more; else None (the whole snapshot is written)."""
+        if snapshot.base is None:
+            return None
+        name, depth = tokens_name(tokens[: snapshot.start]), 1
+        entry = self._entries.get(name)
+        while entry is not None and entry.base is not None and depth < KVSnapshot.MAX_CHAIN:
+            entry, depth = self._entries.get(entry.base), depth + 1
+        return name if entry is not None and depth < KVSnapshot.MAX_CHAIN else None
+
+    @staticmethod
+    def _tensors(snapshot: KVSnapshot, draft_rows: Sequence[Tensor] | None, delta: bool) -> dict[str, Tensor | list[Tensor]]:
+        """What a file holds: the snapshot's own positions (`delta`) or all of them, in pieces
+        where the snapshot is built on others (the file holds them joined)."""
+        links = [snapshot] if delta else snapshot.chain()
+        tensors: dict[str, Tensor | list[Tensor]] = {"keys": [link.keys for link in links],
+                                                      "values": [link.values for link in links]}
+        if snapshot.key_scales is not None:  # an Int8KVCache's
+            tensors |= {"key_scales": [link.key_scales for link in links],
+                        "value_scales": [link.value_scales for link in links]}
+        if draft_rows is not None:
+            tensors["draft_rows"] = rows_from(draft_rows, snapshot.start if delta else 0)
+        return tensors
 
     def _write_loop(self) -> None:
         run_in_background()
         while (item := self._writes.get()) is not None:
-            name, tokens, tensors = item
+            name, tokens, snapshot, draft_rows = item
             try:
-                size = self._write(name, tokens, tensors)
+                size, base = self._write(name, tokens, snapshot, draft_rows)
                 if name in self._entries:
-                    self._entries[name] = DiskEntry(tokens, self.folder / f"{name}{SUFFIX}", size)
+                    self._entries[name] = DiskEntry(tokens, self.folder / f"{name}{SUFFIX}", size, base)
                 self._trim()
             except OSError as exc:
                 self._entries.pop(name, None)
@@ -389,20 +471,26 @@ class DiskCache:
                     log.warning("disk_cache_unwritable", folder=str(self.folder), error=str(exc),
                                 note="snapshots stay in memory only")
             finally:
-                del item, tensors  # the snapshot's memory, once written
+                del item, snapshot, draft_rows  # the snapshot's memory, once written
                 self._writes.task_done()
 
-    def _write(self, name: str, tokens: tuple[int, ...], tensors: dict[str, Tensor | Sequence[Tensor]]) -> int:
+    def _write(self, name: str, tokens: tuple[int, ...], snapshot: KVSnapshot,
+               draft_rows: tuple[Tensor, ...] | None) -> tuple[int, str | None]:
+        """Write one file; returns its size and the base file it is written on, if any (the base
+        named when it was queued, if its file is there now: a failed or trimmed write is not)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.folder / f"{name}{SUFFIX}"
         temporary = self.folder / f".{name}.{socket.gethostname()}.{os.getpid()}{TEMPORARY_SUFFIX}"
+        entry = self._entries.get(name)
+        base = entry.base if entry is not None and entry.base is not None and (self.folder / f"{entry.base}{SUFFIX}").exists() else None
+        on = None if base is None else {"name": base, "tokens": snapshot.start}
         with open(temporary, "wb") as f:
-            size = write_snapshot(f, self.identity, tokens, tensors, self.model)
+            size = write_snapshot(f, self.identity, tokens, self._tensors(snapshot, draft_rows, base is not None), self.model, on)
             # On disk before the rename: after a power cut the name never points at missing bytes.
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, target)
-        return size
+        return size, base
 
     def _trim(self) -> None:
         files = []
@@ -413,12 +501,29 @@ class DiskCache:
                 continue
             files.append((stat.st_mtime, stat.st_size, path))
         total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
+        sizes = {path.stem: size for _, size, path in files}
+        for _, _, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            total -= size
-            path.unlink(missing_ok=True)
-            self._entries.pop(path.stem, None)
+            for name in [path.stem, *self._dependents(path.stem)]:  # a file's dependents cannot be read without it
+                if name in sizes:
+                    total -= sizes.pop(name)
+                    (self.folder / f"{name}{SUFFIX}").unlink(missing_ok=True)
+                self._entries.pop(name, None)
+
+    def _dependents(self, name: str) -> list[str]:
+        """The files written on `name`, directly or through others."""
+        children: dict[str, list[str]] = {}
+        for child, entry in list(self._entries.items()):  # a copy: the engine thread may index meanwhile
+            if entry.base is not None:
+                children.setdefault(entry.base, []).append(child)
+        found, pending = [], [name]
+        while pending:
+            for child in children.get(pending.pop(), ()):
+                if child not in found:
+                    found.append(child)
+                    pending.append(child)
+        return found
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for queued writes (tests, shutdown)."""

@@ -240,3 +240,48 @@ def test_a_snapshot_built_on_another_is_written_whole(tmp_path, int8):
     for name in names:
         assert torch.equal(getattr(loaded.snapshot, name), whole[name])
     disk.close()
+
+
+def files_by_tokens(folder):
+    from dflash.engine.disk_cache import read_header
+
+    return {len(read_header(path)[0]["tokens"]): (path, read_header(path)[0]) for path in folder.glob(f"*{SUFFIX}")}
+
+
+def test_a_snapshot_built_on_one_on_disk_is_written_as_its_own_positions_and_restored_whole(model, tmp_path):
+    """An agent's next boundary writes what it added, its file naming the base's; after a restart
+    the deeper snapshot comes back through its base, with the same output."""
+    first, stats = serve_once(model, tmp_path, CONVERSATION, snapshot_at=(4, BOUNDARY))
+    files = files_by_tokens(tmp_path)
+    (shallow_path, shallow), (deep_path, deep) = files[4], files[BOUNDARY]
+    assert "base" not in shallow and deep["base"] == {"name": shallow_path.stem, "tokens": 4}
+    keys = {t["name"]: t["shape"] for t in deep["tensors"]}["keys"]
+    assert keys[2] == BOUNDARY - 4 and deep_path.stat().st_size < shallow_path.stat().st_size * 2
+    again, stats = serve_once(model, tmp_path, CONVERSATION, snapshot_at=())
+    assert stats.cached_tokens == BOUNDARY and again == first
+
+
+def test_a_file_whose_base_is_gone_is_skipped_and_removed(model, tmp_path):
+    first, _ = serve_once(model, tmp_path, CONVERSATION, snapshot_at=(4, BOUNDARY))
+    files = files_by_tokens(tmp_path)
+    files[4][0].unlink()
+    again, stats = serve_once(model, tmp_path, CONVERSATION, snapshot_at=())
+    assert again == first and stats.cached_tokens == 0
+    assert not files[BOUNDARY][0].exists()
+
+
+def test_the_trim_removes_a_file_with_the_files_written_on_it(model, tmp_path):
+    disk = DiskCache(tmp_path, max_bytes=1 << 30, identity=IDENTITY)
+    engine = Engine(model, max_ctx=128, prefix_cache=PrefixCache(8, 1 << 30), disk_cache=disk)
+    engine.start(CONVERSATION, SamplingParams(), 1, snapshot_at=(4, 8, BOUNDARY)).run()
+    disk.flush()
+    files = files_by_tokens(tmp_path)
+    assert files[8][1]["base"]["tokens"] == 4 and files[BOUNDARY][1]["base"]["tokens"] == 8
+    os.utime(files[4][0], (1, 1))  # the oldest: trimmed first
+    newer = [1, 2, 3]
+    disk.max_bytes = sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}")) - 1
+    engine.start(newer + CONVERSATION, SamplingParams(), 1, snapshot_at=(3,)).run()
+    disk.flush()
+    disk.close()
+    left = files_by_tokens(tmp_path)
+    assert 3 in left and not {4, 8, BOUNDARY} & set(left)  # the base and its two dependents went together
