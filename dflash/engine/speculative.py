@@ -131,6 +131,7 @@ class SpeculationPolicy:
                 state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
         self.plain_seconds = _Ema(0.3)
         self.proposal_seconds = 0.0  # the last step's proposals (choose), the start of what record() is given
+        self.catch_up_seconds = 0.0  # of this step's proposals: drafters' contexts catching up
 
     def choose(self, tokens: Sequence[int]) -> tuple[object | None, list[int]]:
         """The drafter for this step and its proposal; (None, []) means take a plain step."""
@@ -159,15 +160,23 @@ class SpeculationPolicy:
         for _, _, name, drafter in ready:
             state = self.state[name]
             draft = drafter.propose(tokens, state.block)
+            # A drafter's context catching up (DFlashDrafter.catch_up_seconds) is no cost of this
+            # step's: left out of every measurement of it, plain or speculative.
+            self.catch_up_seconds += getattr(drafter, "catch_up_seconds", 0.0)
             if draft:
-                self.proposal_seconds = time.perf_counter() - started  # every proposal this step asked for
+                self.proposal_seconds = time.perf_counter() - started - self.catch_up_seconds  # every proposal this step asked for
                 return drafter, draft
         return None, []
 
+    def _without_catch_up(self, seconds: float) -> float:
+        seconds, self.catch_up_seconds = max(seconds - self.catch_up_seconds, 1e-6), 0.0
+        return seconds
+
     def record_plain(self, seconds: float) -> None:
-        self.plain_seconds.add(seconds)
+        self.plain_seconds.add(self._without_catch_up(seconds))
 
     def record(self, drafter, proposed: int, accepted: int, seconds: float) -> None:
+        seconds = self._without_catch_up(seconds)
         if not self.config.adaptive:
             return
         state = self.state[drafter.name]

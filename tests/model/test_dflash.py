@@ -278,3 +278,19 @@ def test_a_snapshot_built_on_another_shares_its_drafter_rows_and_restores_them_w
     assert torch.equal(drafter.rows[: len(prompt)], whole)
     assert generation.run() == plain
     assert generation.stats.draft_tokens > 0
+
+
+def test_a_proposal_after_a_long_prompt_says_how_long_its_context_took_to_catch_up(target):
+    """The rows a prompt left pending (more than CATCH_UP_ROWS) are timed apart, for the policy to
+    leave out; a proposal after a verified step has none."""
+    from dflash.engine.drafters.dflash import CATCH_UP_ROWS
+
+    drafter = DFlashDrafter(random_draft_model(tiny_config(block_size=4), seed=9), target, 256)
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
+    engine = Engine(target, max_ctx=256, speculation=config, dflash_drafter=drafter)
+    prompt = [5 + i % 90 for i in range(CATCH_UP_ROWS + 20)]
+    generation = engine.start(prompt, SamplingParams(), 8)
+    generation.step()  # the prefill, and the first token
+    assert drafter.propose(engine.committed + generation.output[-1:], 3) and drafter.catch_up_seconds > 0
+    generation.step()  # a verified step: the drafter's context follows it
+    assert drafter.propose(engine.committed + generation.output[-1:], 3) is not None and drafter.catch_up_seconds == 0.0

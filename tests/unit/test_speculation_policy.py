@@ -314,3 +314,30 @@ def test_a_cheap_failed_probe_pauses_for_fewer_steps_than_a_costly_one():
     costly, cheap = paused_steps(0.030), paused_steps(0.012)
     assert costly == SpeculationPolicy.PAUSE_STEPS
     assert 1 <= cheap <= SpeculationPolicy.PAUSE_STEPS // 4
+
+
+class CatchingUp(ScriptedDrafter):
+    """Its first proposal spends `first` seconds catching its context up (DFlashDrafter's rows of a
+    long prompt), and says so in catch_up_seconds."""
+
+    def __init__(self, first):
+        super().__init__()
+        self.first = first
+        self.catch_up_seconds = 0.0
+
+    def propose(self, tokens, max_tokens):
+        self.catch_up_seconds = self.first if not self.asked else 0.0
+        time.sleep(self.catch_up_seconds)
+        return super().propose(tokens, max_tokens)
+
+
+def test_a_drafter_catching_its_context_up_is_not_charged_for_it():
+    """The first DFlash proposal after an 8K-token prompt took 121 ms against 17 for a plain step,
+    and the policy paused DFlash for it; the catch-up is left out of what the policy measures."""
+    drafter = CatchingUp(first=0.050)
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    policy.record_plain(0.010)
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), len(draft), 0.050 + 0.012)  # every draft accepted in 1.2 plain steps
+    assert policy.state["ngram"].proposal_cost.value < 1.0  # not the 5 plain steps of the catch-up
+    assert policy.choose([1, 2, 3])[0] is drafter and drafter.asked[-1] == 4  # paying: its block grows

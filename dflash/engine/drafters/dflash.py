@@ -14,6 +14,7 @@ Checkpoints use the z-lab layout: config.json with `block_size` and
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -287,6 +288,9 @@ class DFlashDraftModel(nn.Module):
         return arguments
 
 
+CATCH_UP_ROWS = 64  # pending context rows past which projecting them counts as catching up
+
+
 class DFlashDrafter:
     """Engine-level drafter: mirrors the target's committed tokens with their captured hidden rows
     and the projected context K/V of those rows."""
@@ -317,6 +321,7 @@ class DFlashDrafter:
         # not yet projected into the draft cache (that happens lazily, at the next proposal).
         self.rows = lazily_zeroed((max_ctx, len(c.target_layer_ids) * c.hidden_size), draft.dtype, device)
         self.length = 0
+        self.catch_up_seconds = 0.0  # of the last proposal: see propose
         # The draft vocabulary (training/draft_vocab.py): drafts are scored against these rows of
         # the target's LM head only; None: against all of them.
         self.vocabulary = None
@@ -379,7 +384,13 @@ class DFlashDrafter:
         # accepted less (tau on coding, code editing, tool use 1.45-1.73 vs 1.48-1.83 at 2 and 3
         # drafts; chat the same or lower), and it costs more rows.
         block = min(self.block_size, max_tokens + 1)
+        started, pending = time.perf_counter(), self.length - self.kv.length
         context = self.draft.project_context(self.rows[self.kv.length : self.length])
+        # Rows left pending since the last proposal (a prompt's, or those of a pause) are the
+        # context catching up, not this proposal's cost: the policy leaves it out of what it
+        # measures (a first proposal after an 8K-token prompt took 121 ms against 5 ms a step
+        # later, and DFlash was paused for it; AMX VM).
+        self.catch_up_seconds = time.perf_counter() - started if pending > CATCH_UP_ROWS else 0.0
         ids = torch.full((block,), self.draft.config.mask_token_id, dtype=torch.long, device=self.rows.device)
         ids[0] = tokens[-1]
         out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
