@@ -139,11 +139,14 @@ class KVCache:
         n = snap.length
         if n > self.max_ctx:
             raise ValueError(f"snapshot of {n} tokens does not fit a KV cache of {self.max_ctx}")
-        if snap.key_scales is not None:
-            raise ValueError("an int8 snapshot cannot be restored into a float KV cache")
+        self._check_kind(snap)
         for link in snap.chain():
             self._restore_link(link, min(max(held, link.start), link.length))
         self.length = n
+
+    def _check_kind(self, snap: KVSnapshot) -> None:
+        if snap.key_scales is not None:
+            raise ValueError("an int8 snapshot cannot be restored into a float KV cache")
 
     def _restore_link(self, link: KVSnapshot, begin: int) -> None:
         """Positions begin..link.length from the snapshot link holding link.start..link.length."""
@@ -198,15 +201,9 @@ class Int8KVCache(KVCache):
         return KVSnapshot(self.keys[:, :, start:n].clone(), self.values[:, :, start:n].clone(), n,
                           self.key_scales[:, :, start:n].clone(), self.value_scales[:, :, start:n].clone(), base)
 
-    def restore(self, snap: KVSnapshot, held: int = 0) -> None:
-        n = snap.length
-        if n > self.max_ctx:
-            raise ValueError(f"snapshot of {n} tokens does not fit a KV cache of {self.max_ctx}")
+    def _check_kind(self, snap: KVSnapshot) -> None:
         if snap.key_scales is None or snap.keys.dtype != torch.uint8:
             raise ValueError(f"a {snap.keys.dtype} snapshot cannot be restored into an int8 KV cache")
-        for link in snap.chain():
-            self._restore_link(link, min(max(held, link.start), link.length))
-        self.length = n
 
     def _restore_link(self, link: KVSnapshot, begin: int) -> None:
         super()._restore_link(link, begin)

@@ -118,6 +118,9 @@ def test_dflash_greedy_equals_plain_greedy(target, block_size):
 
 
 def test_drafter_context_is_restored_with_a_prefix_cache_hit(target):
+    """The drafter's rows of a boundary built on the one before are that one's rows and a copy of
+    the rest (not a second copy of all); restored after the live state moved elsewhere, the drafter
+    has its whole context back and the output is plain greedy's."""
     from dflash.engine.prefix_cache import PrefixCache
 
     prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90]
@@ -126,10 +129,15 @@ def test_drafter_context_is_restored_with_a_prefix_cache_hit(target):
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
     engine = Engine(target, max_ctx=128, speculation=config, dflash_drafter=drafter,
                     prefix_cache=PrefixCache(4, 1 << 30))
-    engine.start(prompt + [1, 2], SamplingParams(), 4, snapshot_at=[len(prompt)]).run()
+    engine.start(prompt + [1, 2], SamplingParams(), 4, snapshot_at=[4, len(prompt)]).run()
+    entries = {len(key): entry for key, entry in engine.prefix_cache._entries.items()}
+    shallow, deep = entries[4].draft_rows, entries[len(prompt)].draft_rows
+    assert len(shallow) == 1 and len(deep) == 2 and deep[0] is shallow[0] and deep[1].shape[0] == len(prompt) - 4
+    whole = drafter.rows[: len(prompt)].clone()
     engine.start([7, 7, 7, 7], SamplingParams(), 4).run()  # the live state moves elsewhere
     generation = engine.start(prompt + [3, 3], SamplingParams(), 12)
     assert generation.stats.cached_tokens == len(prompt)
+    assert torch.equal(drafter.rows[: len(prompt)], whole)
     assert generation.run() == plain
     assert generation.stats.draft_tokens > 0  # the drafter had its context back at once
 
@@ -253,31 +261,6 @@ def test_the_served_drafter_s_native_layers_equal_its_python_layers_bit_for_bit(
     native, python = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(native[0], python[0]))
     assert torch.equal(native[1], python[1]) and torch.equal(native[2], python[2])
-
-
-def test_a_snapshot_built_on_another_shares_its_drafter_rows_and_restores_them_whole(target):
-    """The drafter's rows of a boundary built on the one before are that one's rows and a copy of
-    the rest (not a second copy of all); restored after the live state moved elsewhere, the drafter
-    has its whole context back and the output is plain greedy's."""
-    from dflash.engine.prefix_cache import PrefixCache
-
-    prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90]
-    plain = Engine(target, max_ctx=128).start(prompt + [3, 3], SamplingParams(), 12).run()
-    drafter = DFlashDrafter(random_draft_model(tiny_config(block_size=4), seed=9), target, 128)
-    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
-    engine = Engine(target, max_ctx=128, speculation=config, dflash_drafter=drafter,
-                    prefix_cache=PrefixCache(4, 1 << 30))
-    engine.start(prompt + [1, 2], SamplingParams(), 4, snapshot_at=[4, len(prompt)]).run()
-    entries = {len(key): entry for key, entry in engine.prefix_cache._entries.items()}
-    shallow, deep = entries[4].draft_rows, entries[len(prompt)].draft_rows
-    assert len(shallow) == 1 and len(deep) == 2 and deep[0] is shallow[0] and deep[1].shape[0] == len(prompt) - 4
-    whole = drafter.rows[: len(prompt)].clone()
-    engine.start([7, 7, 7, 7], SamplingParams(), 4).run()  # the live state moves elsewhere
-    generation = engine.start(prompt + [3, 3], SamplingParams(), 12)
-    assert generation.stats.cached_tokens == len(prompt)
-    assert torch.equal(drafter.rows[: len(prompt)], whole)
-    assert generation.run() == plain
-    assert generation.stats.draft_tokens > 0
 
 
 def test_a_proposal_after_a_long_prompt_says_how_long_its_context_took_to_catch_up(target):

@@ -184,6 +184,12 @@ def test_a_snapshot_restores_the_codes_and_scales_exactly(model):
         assert torch.equal(getattr(other, name)[:, :, :30], getattr(kv, name)[:, :, :30]), name
     with pytest.raises(ValueError, match="int8 snapshot"):
         model.new_kv_cache(128, dtype=torch.bfloat16).restore(snapshot)
+    built_on = kv.snapshot(40, base=snapshot)  # positions 30..40 only, on the first 30
+    assert built_on.base is snapshot and built_on.keys.shape[2] == built_on.key_scales.shape[2] == 10
+    other = model.new_kv_cache(128)
+    other.restore(built_on)
+    for name in ("keys", "values", "key_scales", "value_scales"):
+        assert torch.equal(getattr(other, name)[:, :, :40], getattr(kv, name)[:, :, :40]), name
 
 
 def test_a_restart_restores_from_disk_with_the_same_output(model, tmp_path):
