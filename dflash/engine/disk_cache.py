@@ -74,6 +74,11 @@ def flat_bytes(t: Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1))
 
 
+def as_pieces(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """A tensor, or one in pieces (a list), as a list of pieces."""
+    return [value] if isinstance(value, Tensor) else list(value)
+
+
 def joined_bytes(pieces: Sequence[Tensor], dim: int) -> tuple[list[int], list[memoryview]]:
     """The shape and bytes of `pieces` joined along `dim`, 0 (draft rows) or 2 (a KVSnapshot
     chain's positions: [layers, KV, positions, ...]), in the joined tensor's memory order, without
@@ -96,7 +101,7 @@ def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int
     table, chunks, offset = [], [], 0
     digest = hashlib.sha256()
     for name, t in tensors.items():
-        pieces = [t] if isinstance(t, Tensor) else list(t)
+        pieces = as_pieces(t)
         shape, data = joined_bytes(pieces, 0 if name == "draft_rows" else 2)
         nbytes = 0
         for chunk in data:
@@ -323,10 +328,6 @@ def run_in_background() -> None:
         pass
 
 
-def t_pieces(value: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
-    return [value] if isinstance(value, Tensor) else value
-
-
 def rows_from(pieces: Sequence[Tensor], start: int) -> list[Tensor]:
     """Rows start.. of rows in pieces one after another (along dim 0)."""
     out, offset = [], 0
@@ -449,8 +450,8 @@ class DiskCache:
         if name in self._entries:
             return
         base = self._base_name(tokens, snapshot)
-        payload = sum(t.numel() * t.element_size() for t in self._tensors(snapshot, draft_rows, base is not None).values()
-                      for t in t_pieces(t))
+        payload = sum(t.numel() * t.element_size() for value in self._tensors(snapshot, draft_rows, base is not None).values()
+                      for t in as_pieces(value))
         if payload > self.max_bytes:
             return
         try:
