@@ -6,7 +6,8 @@ identity differs (another model, dtype, context size or chat template), whose ch
 is truncated or unreadable is skipped with a warning and removed: never served, never a crash.
 
 A snapshot built on another (kv.KVSnapshot's base) whose base is on disk holds only its own
-positions, and its header names the base's file ("base": name and token count): an agent's turn
+positions, its header names the base's file ("base": name and token count) and its format is
+BASED_FORMAT, which servers from before bases do not read: an agent's turn
 writes the few dozen tokens it added, not the whole conversation again (two 460 MB files a turn at
 20K tokens). Reading it reads its base first; a file whose base is gone is skipped like a damaged
 one, and the trim removes a file's dependents with it. Chains are at most KVSnapshot.MAX_CHAIN long.
@@ -43,6 +44,10 @@ from torch import Tensor
 from dflash.engine.kv import KVSnapshot
 
 FORMAT = "dflash-kv-1"
+# A file written on a base holds fewer positions than tokens: a server from before bases would take it
+# for a whole snapshot (one position broadcast over all of them), so it says another format, which
+# that server skips and removes.
+BASED_FORMAT = "dflash-kv-2"
 SUFFIX = ".dkv"
 TEMPORARY_SUFFIX = ".tmp"
 # A temporary file of another machine sharing the folder is taken as abandoned after this long.
@@ -111,7 +116,7 @@ def write_snapshot(out: BinaryIO, identity: dict[str, Any], tokens: Sequence[int
                       "offset": offset, "nbytes": nbytes})
         chunks += data
         offset += nbytes
-    fields = {"format": FORMAT, "model": model, "identity": identity, "tokens": list(tokens), "tensors": table,
+    fields = {"format": FORMAT if base is None else BASED_FORMAT, "model": model, "identity": identity, "tokens": list(tokens), "tensors": table,
               "sha256": digest.hexdigest()}
     header = json.dumps(fields if base is None else fields | {"base": base}).encode()
     out.write(struct.pack("<Q", len(header)))
@@ -147,8 +152,10 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         header = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptSnapshot(f"unreadable header: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CorruptSnapshot(f"not a {FORMAT} file")
+    if not isinstance(header, dict) or header.get("format") not in (FORMAT, BASED_FORMAT):
+        raise CorruptSnapshot(f"not a {FORMAT} or {BASED_FORMAT} file")
+    if (header["format"] == BASED_FORMAT) != ("base" in header):
+        raise CorruptSnapshot(f"a {header['format']} file {'without' if 'base' not in header else 'with'} a base")
     return header, 8 + length
 
 

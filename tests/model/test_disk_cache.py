@@ -255,6 +255,8 @@ def test_a_snapshot_built_on_one_on_disk_is_written_as_its_own_positions_and_res
     files = files_by_tokens(tmp_path)
     (shallow_path, shallow), (deep_path, deep) = files[4], files[BOUNDARY]
     assert "base" not in shallow and deep["base"] == {"name": shallow_path.stem, "tokens": 4}
+    # a server from before bases must not take the deeper file for a whole snapshot: another format
+    assert (shallow["format"], deep["format"]) == ("dflash-kv-1", "dflash-kv-2")
     keys = {t["name"]: t["shape"] for t in deep["tensors"]}["keys"]
     assert keys[2] == BOUNDARY - 4 and deep_path.stat().st_size < shallow_path.stat().st_size * 2
     again, stats = serve_once(model, tmp_path, CONVERSATION, snapshot_at=())
