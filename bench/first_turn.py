@@ -7,7 +7,8 @@ Codex (~9K) to a live server with the default context and a disk cache, then:
            same disk_dir, and a new session's first request that shares the system prompt and
            tools but asks something else (disk tier).
 Prints time to first token (the first event with generated content: not the empty deltas sent
-as keep-alives during prefill), prompt and prefilled tokens of each.
+as keep-alives during prefill), prompt and prefilled tokens of each, and what the snapshot tiers
+hold after turn 2 (`/metrics`).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/first_turn.py [--client claude|codex] [--max-tokens 16]
 """
@@ -102,6 +103,16 @@ def stream(http: httpx.Client, path: str, body: dict) -> tuple[float, str, dict]
     return first_s or float("nan"), text, timings
 
 
+def cache_bytes(http: httpx.Client) -> dict[str, float]:
+    """What the server's snapshot tiers hold (`/metrics`, dflash_cache_bytes), by tier."""
+    held = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("dflash_cache_bytes{"):
+            labels, value = line.rsplit(" ", 1)
+            held[labels.split('tier="', 1)[1].split('"', 1)[0]] = float(value)
+    return held
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", choices=sorted(CLIENTS), default="claude")
@@ -120,6 +131,7 @@ def main() -> None:
                     ttft, _, timings = stream(http, path, next_turn(args.client, body, reply,
                                                                     "Now list the files in src/."))
                     rows.append(("turn 2", ttft, timings))
+                    held = cache_bytes(http)
                     # An operator's restart: SIGTERM, and the server writes its queued snapshots first.
                     stopping = time.perf_counter()
                     server.stop(timeout=300)
@@ -130,7 +142,8 @@ def main() -> None:
                     rows.append(("new session after restart", ttft, timings))
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
-    print(f"\n{args.client} first turn, embedded model, CPU: {cpu_kind()}; graceful stop after turn 2: {stop_s:.1f} s")
+    print(f"\n{args.client} first turn, embedded model, CPU: {cpu_kind()}; graceful stop after turn 2: {stop_s:.1f} s; "
+          "snapshots held after turn 2: " + ", ".join(f"{tier} {size / 2**20:.0f} MiB" for tier, size in held.items()))
     print("| request | prompt tokens | prefilled | TTFT s | prefill ms |")
     print("|---|---|---|---|---|")
     for name, ttft, timings in rows:
