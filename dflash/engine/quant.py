@@ -62,7 +62,7 @@ def kernels() -> str:
 def kernels_description() -> str:
     """For the start-up log: which kernels, and which instructions ours use for few and many rows
     of int8 weights (the LM head in both formats) and of int4 ones, e.g.
-    "int8-dot (VNNI; AMX from 5 rows of int8; AMX from 64 rows of int4)"."""
+    "int8-dot (VNNI; AMX from 5 rows of int8; AMX from 32 rows of int4)"."""
     name = kernels()
     if name == "torch":
         return name

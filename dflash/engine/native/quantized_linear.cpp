@@ -44,8 +44,12 @@ constexpr int64_t kTileRows = 16;  // rows of x per AMX tile
 // registers, tiles need them stored and each 32-input group's sums stored and reloaded for its
 // float epilogue; measured on a Sapphire Rapids-class AMX VM (one thread, the embedded model's 30 layers):
 // 8 rows 7.3 ms on VNNI against 11.2 on tiles, 32 rows 23.5 against 25.3, 128 rows 86 against 83.
+// Since amx_blocks unpacks each block once a call and keeps a row tile's totals in L1 (the same VM,
+// the 30 layers' four linears, one thread): 24 rows 16.8-17.0 ms on VNNI against 17.3-17.4 on tiles,
+// 32 rows 22.0-22.2 against 19.5-20.4, 48 rows 32.3-32.4 against 27.0-27.1 (2 threads: 32 rows
+// 19.8-20.1 against 19.0-19.4).
 constexpr int64_t kAmxFromRows = 5;
-constexpr int64_t kInt4AmxFromRows = 64;
+constexpr int64_t kInt4AmxFromRows = 32;
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
