@@ -119,19 +119,19 @@ class KVCache:
         """A copy of positions 0..length (all committed by default). With `base`, a snapshot of this
         cache's first base.length positions (the caller's word that they still hold what they held
         then), only positions base.length.. are copied and the base is shared."""
-        n = self.length if length is None else length
-        base = self._usable_base(base, n)
-        start = 0 if base is None else base.length
+        n, base, start = self._span(length, base)
         narrow = self.snapshot_dtype
         return KVSnapshot(self.keys[:, :, start:n].to(narrow, copy=True), self.values[:, :, start:n].to(narrow, copy=True),
                           n, base=base)
 
-    def _usable_base(self, base: KVSnapshot | None, length: int) -> KVSnapshot | None:
-        if base is None or base.length > length or len(base.chain()) >= KVSnapshot.MAX_CHAIN:
-            return None
+    def _span(self, length: int | None, base: KVSnapshot | None) -> tuple[int, KVSnapshot | None, int]:
+        """(the snapshot's length, the base it is built on or None, its first own position)."""
+        n = self.length if length is None else length
+        if base is None or base.length > n or len(base.chain()) >= KVSnapshot.MAX_CHAIN:
+            return n, None, 0
         if (base.key_scales is None) != (not self.quantized):
             raise ValueError("a snapshot's base must come from the same kind of KV cache")
-        return base
+        return n, base, base.length
 
     def restore(self, snap: KVSnapshot, held: int = 0) -> None:
         """Make the cache hold the snapshot's positions. `held`: how many of them the cache holds
@@ -195,9 +195,7 @@ class Int8KVCache(KVCache):
                 dequantized(self.values[layer, :, :end], self.value_scales[layer, :, :end], 0))
 
     def snapshot(self, length: int | None = None, base: KVSnapshot | None = None) -> KVSnapshot:
-        n = self.length if length is None else length
-        base = self._usable_base(base, n)
-        start = 0 if base is None else base.length
+        n, base, start = self._span(length, base)
         return KVSnapshot(self.keys[:, :, start:n].clone(), self.values[:, :, start:n].clone(), n,
                           self.key_scales[:, :, start:n].clone(), self.value_scales[:, :, start:n].clone(), base)
 
