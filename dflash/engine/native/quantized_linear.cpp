@@ -158,22 +158,30 @@ VNNI_TARGET inline __m512i quad(const int8_t* q) {  // 4 int8 broadcast to every
 
 // ----- VNNI: one block of 16 channels over rows [m0, m0 + Rows), weights kept in registers -----
 
-// One row's int32 sums over a group of 32 inputs for 16 channels. With one or two rows a pass
-// has too few independent vpdpbusd chains to hide the instruction's latency, so the group runs
-// as two chains added at the end: integer sums, so the same bits whatever the order.
+// The int32 sums over group g of 32 inputs for 16 channels, of rows m0 .. m0 + Rows - 1. With one or
+// two rows a pass has too few independent vpdpbusd chains to hide the instruction's latency (5
+// cycles), so each row's group runs as two chains added at the end. With more, the rows' chains
+// are interleaved quad by quad: written row after row, each row a chain of 8 dependent vpdpbusd, the
+// core had to look ahead past several rows' chains and epilogues to overlap them, and an 8-row pass
+// ran at ~100 cycles a group where its 64 vpdpbusd need 32 (this VM issues two a cycle). Integer
+// sums: the same bits whatever the order.
 template <int Rows>
-VNNI_TARGET inline __m512i group_dot(const __m512i* w, const int8_t* q) {
+VNNI_TARGET inline void group_dots(const __m512i* w, const QuantizedRows& x, int64_t m0, int64_t g, __m512i* dots) {
   if constexpr (Rows <= 2) {
-    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-    UNROLLED for (int t = 0; t < 8; t += 2) {
-      even = _mm512_dpbusd_epi32(even, w[t], quad(q + 4 * t));
-      odd = _mm512_dpbusd_epi32(odd, w[t + 1], quad(q + 4 * t + 4));
+    UNROLLED for (int r = 0; r < Rows; ++r) {
+      const int8_t* q = x.row(m0 + r, g);
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      UNROLLED for (int t = 0; t < 8; t += 2) {
+        even = _mm512_dpbusd_epi32(even, w[t], quad(q + 4 * t));
+        odd = _mm512_dpbusd_epi32(odd, w[t + 1], quad(q + 4 * t + 4));
+      }
+      dots[r] = _mm512_add_epi32(even, odd);
     }
-    return _mm512_add_epi32(even, odd);
   } else {
-    __m512i dot = _mm512_setzero_si512();
-    UNROLLED for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], quad(q + 4 * t));
-    return dot;
+    UNROLLED for (int r = 0; r < Rows; ++r) dots[r] = _mm512_setzero_si512();
+    UNROLLED for (int t = 0; t < 8; ++t) {
+      UNROLLED for (int r = 0; r < Rows; ++r) dots[r] = _mm512_dpbusd_epi32(dots[r], w[t], quad(x.row(m0 + r, g) + 4 * t));
+    }
   }
 }
 
@@ -197,9 +205,9 @@ VNNI_TARGET void int4_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
     }
     __m512 scale, offset;
     int4_group_scales(scales + tile * 32, scale, offset);
-    UNROLLED for (int r = 0; r < Rows; ++r) {
-      totals[r] = int4_group(totals[r], group_dot<Rows>(w, x.row(m0 + r, g)), scale, offset, x, m0 + r, g);
-    }
+    __m512i dots[Rows];
+    group_dots<Rows>(w, x, m0, g, dots);
+    UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = int4_group(totals[r], dots[r], scale, offset, x, m0 + r, g);
   }
   UNROLLED for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, totals[r]);
 }
@@ -213,7 +221,9 @@ VNNI_TARGET void int8_vnni(const QuantizedRows& x, int64_t m0, const uint8_t* co
     const uint8_t* packed = codes + (block * x.groups + g) * 512;
     __m512i w[8];
     UNROLLED for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(packed + 64 * t);
-    UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = int8_group(totals[r], group_dot<Rows>(w, x.row(m0 + r, g)), x, m0 + r, g);
+    __m512i dots[Rows];
+    group_dots<Rows>(w, x, m0, g, dots);
+    UNROLLED for (int r = 0; r < Rows; ++r) totals[r] = int8_group(totals[r], dots[r], x, m0 + r, g);
   }
   const __m512 scale = _mm512_loadu_ps(scales + block * kChannels);
   UNROLLED for (int r = 0; r < Rows; ++r) store_bf16(y + (m0 + r) * N + block * kChannels, _mm512_mul_ps(totals[r], scale));
