@@ -1,6 +1,7 @@
 """The C++ decode-layer loop gives bit-identical results to the Python path it replaces, on every
 architecture flag (qkv bias, q/k norm, GQA) and weight format, for decode steps and verification
-blocks, captured hidden states included. Skipped where it was not built (`make install` builds it)."""
+blocks (and prefill chunks, on our int8/int4 kernels), captured hidden states included. Skipped
+where it was not built (`make install` builds it)."""
 
 import numpy as np
 import pytest
@@ -39,7 +40,8 @@ def prefilled(architecture, weights):
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 def test_native_layers_equal_the_python_layers_bit_for_bit(architecture, weights, monkeypatch):
     model, tokens, state = prefilled(architecture, weights)
-    for start, rows in ((100, 1), (95, 8), (60, 5)):
+    # 40 rows: more than FEW_ROWS (a prefill chunk), which only our int8/int4 kernels take natively
+    for start, rows in ((100, 1), (95, 8), (60, 5), (80, 40)):
         calls = extension().layers_without_aten_calls()
         native = run(model, tokens, start, state, rows)
         # int8/int4 on our kernels and attention (bf16 cache) take the loop without ATen calls

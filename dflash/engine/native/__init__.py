@@ -69,6 +69,10 @@ def extension():
     return module
 
 
+# decode_layers' kinds of linear (decode_layers.cpp, LinearKind): torch's quantized kernels, or ours.
+DENSE, TORCH_INT8, TORCH_INT4, INT8_DOT, INT4_DOT = 0, 1, 2, 3, 4
+
+
 def layer_arguments(model) -> dict:
     """The per-layer tensors of a model.Transformer, flattened the way decode_layers takes them."""
     from dflash.engine.quant import INT4_GROUP, Int4Linear, Int8Linear
@@ -82,13 +86,13 @@ def layer_arguments(model) -> dict:
             qk_norms += [attention.q_norm.weight, attention.k_norm.weight]
         for linear in (attention.wqkv, attention.wo, ffn.w13, ffn.w2):
             if isinstance(linear, Int4Linear):
-                kinds.append(2 if linear.kernels == "torch" else 4)
+                kinds.append(TORCH_INT4 if linear.kernels == "torch" else INT4_DOT)
                 tensors += [linear.packed, linear.scales_and_zeros]
             elif isinstance(linear, Int8Linear):
-                kinds.append(1 if linear.kernels == "torch" else 3)
+                kinds.append(TORCH_INT8 if linear.kernels == "torch" else INT8_DOT)
                 tensors += [linear.qweight, linear.scales]
             else:
-                kinds.append(0)
+                kinds.append(DENSE)
                 tensors += [linear.weight, empty]
             tensors.append(linear.bias if linear.bias is not None else empty)
             has_bias.append(int(linear.bias is not None))
