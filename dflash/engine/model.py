@@ -183,20 +183,21 @@ def silu_description(dtype: torch.dtype) -> str:
 
 
 def attention_description(kv_dtype: torch.dtype) -> str:
-    """attention_kernels(), with how ours multiplies over a bf16 cache: "ours-amx-bf16-r2" (AMX tiles
-    where the CPU has them), "ours-avx512-bf16-r2" (bf16 dot products where it has those, in the
-    sequence's revision 2; DFLASH_ATTENTION_ISA=avx512-bf16) or "ours-avx2" (fp32 fmas;
-    DFLASH_ATTENTION_ISA=avx2). They give other bits, so a disk snapshot names which; over an fp32
-    cache they are one."""
+    """attention_kernels(), with how ours multiplies over a bf16 cache and the revision of its
+    sequence of operations: "ours-amx-bf16-r3" (AMX tiles where the CPU has them),
+    "ours-avx512-bf16-r3" (bf16 dot products where it has those; DFLASH_ATTENTION_ISA=avx512-bf16),
+    "ours-avx2-r3" (fp32 fmas; DFLASH_ATTENTION_ISA=avx2), "ours-r3" over an fp32 cache. They give
+    other bits, so a disk snapshot names which. Revision 2: bf16 dot products for the scores;
+    revision 3: another exp (causal_attention.cpp, exp_nonpositive), on every path."""
     if kv_dtype == torch.int8:
         return f"ours-int8-vnni-r{native_kernels().int8_kv_revision()}"
     kernels = attention_kernels()
-    if kernels == "ours" and kv_dtype == torch.bfloat16:
-        isa = native_kernels().causal_attention_isa()
-        if isa in ("avx512-bf16", "amx-bf16"):
-            return f"ours-{isa}-r{native_kernels().causal_attention_revision()}"
-        return f"ours-{isa}"
-    return kernels
+    if kernels != "ours":
+        return kernels
+    revision = native_kernels().causal_attention_revision()
+    if kv_dtype == torch.bfloat16:
+        return f"ours-{native_kernels().causal_attention_isa()}-r{revision}"
+    return f"ours-r{revision}"
 
 
 def attention_rows_invariant(dtype: torch.dtype) -> bool:

@@ -65,21 +65,29 @@ bool cpu_has_avx2_fma() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// exp for x <= 0 (scores minus their max): Cephes' range reduction and degree-5 polynomial on 8
-// lanes; one fixed sequence, so equal inputs give equal outputs whatever lane or call they sit in.
+// exp for x <= 0 (scores minus their max) on 8 lanes, one fixed sequence, so equal inputs give equal
+// outputs whatever lane or call they sit in: t = x log2(e), n = t rounded to the nearest whole number,
+// f = t - n in [-1/2, 1/2] (exact: f is a multiple of t's last place), 2^f by a degree-5 polynomial
+// (fitted for relative error: at most 1.6e-7 in fp32), times 2^n. x is clamped at -86 first, so
+// n >= -124 and the product is a normal number: exact, rounded once. t's own rounding adds up to
+// ~4e-6 of relative error near the clamp (terms of ~1e-37) and ~1e-7 near 0, where the terms that
+// count are. Revision 3 of the attention sequence; before it, Cephes' two-constant range reduction
+// and polynomial, ~14 instructions on 16 lanes against ~10.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kExp2Poly[5] = {0.6931470036506653f, 0.24022242426872253f, 0.05550733581185341f,
+                                 0.009671509265899658f, 0.0013264708686619997f};  // f^1 .. f^5
+
 AVX2_TARGET inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below: 0 after the mask, never a denormal
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-86.0f)), _mm256_set1_ps(kLog2e));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 y = _mm256_set1_ps(kExp2Poly[4]);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kExp2Poly[3]));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kExp2Poly[2]));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kExp2Poly[1]));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kExp2Poly[0]));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f));
+  __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
@@ -194,23 +202,20 @@ bool cpu_has_avx512f_dq() {
 }
 
 AVX512_TARGET inline __m512 exp_nonpositive_16(__m512 x) {  // exp_nonpositive's operations on 16 lanes
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  // y * 2^fx in one vscalefps, where exp_nonpositive builds 2^fx's bits and multiplies: fx is a
-  // whole number in [-126, 0], so both are the exact product rounded once (the same bits), and
-  // scalef saves three instructions of the ~16 an exp takes, in the loop a prefill chunk's
-  // softmax spends most of its time in.
-  return _mm512_scalef_ps(y, fx);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-86.0f)), _mm512_set1_ps(kLog2e));
+  // vreduceps (AVX512DQ) gives t - n in one instruction, exact as the subtraction is (to nearest:
+  // rounded down, t - floor(t) is not always exact, and vreduceps rounds it down where subps rounds
+  // to nearest); vscalefps multiplies by 2^floor(n) = 2^n itself, an exact product rounded once as
+  // exp_nonpositive's multiplication by 2^n's bits is: the same bits.
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(t, f);
+  __m512 y = _mm512_set1_ps(kExp2Poly[4]);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[3]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[2]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[1]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[0]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
 }
 
 __attribute__((noinline)) AVX512_TARGET void chunk_softmax_avx512(float* s, int64_t seen, const Partial& p) {
@@ -1552,14 +1557,16 @@ std::vector<at::Tensor> softmax_rows(const at::Tensor& scores, const at::Tensor&
 }
 
 // The sequence of operations over a bf16 cache, bumped whenever it changes (a disk snapshot names it,
-// loading.numerics): 1, the values as bf16 dot products; 2, the scores too.
-int64_t causal_attention_revision() { return 2; }
+// loading.numerics): 1, the values as bf16 dot products; 2, the scores too; 3, exp_nonpositive's
+// base-2 reduction (every path, fp32 caches too: model.attention_description names it on each).
+int64_t causal_attention_revision() { return 3; }
 
 // Whether this CPU attends over an int8 cache (causal_attention_int8, quantize_kv).
 bool int8_kv_available() { return cpu_has_avx512_vnni(); }
 
-// The sequence of operations over an int8 cache, bumped whenever it changes (a disk snapshot names it).
-int64_t int8_kv_revision() { return 1; }
+// The sequence of operations over an int8 cache, bumped whenever it changes (a disk snapshot names it):
+// 2, exp_nonpositive's base-2 reduction.
+int64_t int8_kv_revision() { return 2; }
 
 namespace {
 void check_int8_layer(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales, const at::Tensor& value_scales,
