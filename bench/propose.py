@@ -40,10 +40,17 @@ def median_ms(function, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
+def observe(drafter: DFlashDrafter, start: int, hidden: list[torch.Tensor]) -> None:
+    """The target's captured rows for positions start.., written where its forward writes them
+    (Engine.forward: rows_at, then observed)."""
+    drafter.rows_at(start, hidden[0].shape[0]).copy_(torch.cat(hidden, dim=-1))
+    drafter.observed(start, hidden[0].shape[0])
+
+
 def drafter_with_context(draft, target, vocabulary=None) -> tuple[DFlashDrafter, list[torch.Tensor]]:
     drafter = DFlashDrafter(draft, target, 4096, vocabulary)
-    rows = [torch.randn(CONTEXT, target.args.hidden_size, dtype=draft.dtype) for _ in draft.config.target_layer_ids]
-    drafter.observe(0, rows)
+    rows = [torch.randn(CONTEXT, target.args.hidden_size, dtype=drafter.rows.dtype) for _ in draft.config.target_layer_ids]
+    observe(drafter, 0, rows)
     return drafter, rows
 
 
@@ -51,7 +58,7 @@ def proposal(drafter, rows, tokens):
     """Roll back NEW_ROWS committed rows and observe them again, so every proposal projects them."""
     def propose():
         drafter.crop(CONTEXT - NEW_ROWS)
-        drafter.observe(CONTEXT - NEW_ROWS, [r[-NEW_ROWS:] for r in rows])
+        observe(drafter, CONTEXT - NEW_ROWS, [r[-NEW_ROWS:] for r in rows])
         return drafter.propose(tokens, drafter.block_size - 1)
 
     return propose
@@ -70,7 +77,7 @@ def parts(drafter, rows, repeats: int) -> dict[str, float]:
 
     for repeat in range(repeats):
         drafter.crop(CONTEXT - NEW_ROWS)
-        drafter.observe(CONTEXT - NEW_ROWS, [r[-NEW_ROWS:] for r in rows])
+        observe(drafter, CONTEXT - NEW_ROWS, [r[-NEW_ROWS:] for r in rows])
         t = time.perf_counter()
         context = draft.project_context(drafter.rows[drafter.kv.length : drafter.length])
         ids = torch.full((draft.config.block_size,), draft.config.mask_token_id, dtype=torch.long)

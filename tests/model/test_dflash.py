@@ -278,3 +278,14 @@ def test_a_proposal_after_a_long_prompt_says_how_long_its_context_took_to_catch_
     generation.step()  # a verified step: the drafter's context follows it
     drafter.propose(engine.committed + generation.output[-1:], 3)
     assert drafter.catch_up_seconds == 0.0
+
+
+def test_the_proposal_bench_drives_the_drafter_as_the_engine_does(target):
+    """bench/propose.py writes the drafter's context rows where the target's forward writes them
+    (rows_at, observed); it called a method that had moved into a test and stopped running unnoticed."""
+    from bench.propose import CONTEXT, drafter_with_context, proposal
+
+    drafter, rows = drafter_with_context(random_draft_model(tiny_config(), seed=1), target)
+    tokens = [i % 100 for i in range(CONTEXT)] + [5]  # the committed tokens and the pending one
+    drafts = proposal(drafter, rows, tokens)()
+    assert len(drafts) == drafter.block_size - 1 and all(0 <= t < 128 for t in drafts)
