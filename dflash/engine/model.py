@@ -578,8 +578,8 @@ class Transformer(nn.Module):
         # ~20-50 ms more a call whatever its rows (int4, AMX VM, 2 threads: 17 rows 38 -> 16 ms, a
         # 256-row chunk at 1K of context 217 -> 165-171 ms; the same bits).
         causal = attention_mask is None
-        few = T <= FEW_ROWS or self._linears_rows_invariant()
-        native = native_extension() if causal and few and x.device.type == "cpu" else None
+        rows_invariant = T <= FEW_ROWS or self._linears_rows_invariant()
+        native = native_extension() if causal and rows_invariant and x.device.type == "cpu" else None
         C = self.args.hidden_size
         into_natively = (capture_into is not None and native is not None and capture_into.dtype == torch.bfloat16
                          and x.dtype == torch.bfloat16)
