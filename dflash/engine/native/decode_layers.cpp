@@ -842,20 +842,25 @@ at::Tensor draft_layers(const at::Tensor& x_in, const at::Tensor& context, const
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of fp32 rows, on this thread (logits.cpp)", arg("x"));
-  m.def("widen_to_fp32", &widen_to_fp32, "bf16 -> fp32 (exact), on this thread (logits.cpp)", arg("x"));
+  // The calls that compute let go of the GIL while they run (they touch no Python object; their
+  // arguments are converted before and their results after): the engine runs them on its own thread
+  // while the HTTP server's event loop shares the process, and a prefill chunk deep in a prompt holds
+  // a call for up to a second (a 28K-token prompt kept /health waiting 432 ms at the median).
+  const auto without_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("argmax_rows", &argmax_rows, without_gil, "torch.argmax(x, dim=-1) of fp32 rows, on this thread (logits.cpp)", arg("x"));
+  m.def("widen_to_fp32", &widen_to_fp32, without_gil, "bf16 -> fp32 (exact), on this thread (logits.cpp)", arg("x"));
   m.def("silu_product_kind", [] { return std::string(silu_lanes_available() ? "lanes-r1" : "scalar"); },
         "which sequence silu_product computes here (its bits: lanes, 8 or 16 alike, or std::exp)");
-  m.def("silu_product", &silu_product, "model.FeedForward's silu(gate) * up over bf16 rows [..., 2I] -> [..., I]", arg("gate_up"));
-  m.def("rms_norm", &rms_norm, "model.RMSNorm, row by row (bf16 or fp32)", arg("x"), arg("weight"), arg("eps"));
+  m.def("silu_product", &silu_product, without_gil, "model.FeedForward's silu(gate) * up over bf16 rows [..., 2I] -> [..., I]", arg("gate_up"));
+  m.def("rms_norm", &rms_norm, without_gil, "model.RMSNorm, row by row (bf16 or fp32)", arg("x"), arg("weight"), arg("eps"));
   m.def("vnni_available", &vnni_available, "whether this CPU has AVX512-VNNI for quantized_linear.cpp's kernels");
   m.def("int8dot_available", &int8dot_available, "whether this CPU can run quantized_linear.cpp's kernels (AVX2)");
   m.def("int8dot_isa", &int8dot_isa, "which instructions they use for a call with `rows` rows of int4 or int8 weights",
         arg("rows"), arg("int4") = false);
   m.def("amx_available", &amx_available, "whether they use AMX tiles for 5 rows or more here");
-  m.def("int4_matmul", &int4_matmul, "x [M, K] bf16 . int4 weights (quant.py's layout) -> [M, N] bf16",
+  m.def("int4_matmul", &int4_matmul, without_gil, "x [M, K] bf16 . int4 weights (quant.py's layout) -> [M, N] bf16",
         arg("x"), arg("codes"), arg("scales"));
-  m.def("int8_matmul", &int8_matmul, "x [M, K] bf16 . int8 weights (quant.py's layout) -> [M, N] bf16",
+  m.def("int8_matmul", &int8_matmul, without_gil, "x [M, K] bf16 . int8 weights (quant.py's layout) -> [M, N] bf16",
         arg("x"), arg("codes"), arg("scales"));
   m.def("layers_without_aten_calls", [] { return layers_without_aten_calls; },
         "decode_layers calls that ran without ATen calls between the kernels so far");
@@ -865,24 +870,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention_isa", &causal_attention_isa,
         "what a bf16 cache is attended with: avx512-bf16 (bf16 dot products) or avx2 (DFLASH_ATTENTION_ISA=avx2 forces it)");
   m.def("chunk_softmax_isas", &chunk_softmax_isas, "the softmax implementations causal_attention.cpp has here (same bits)");
-  m.def("softmax_rows", &softmax_rows, "causal_attention.cpp's chunk softmax over rows [R, 256] with one implementation -> (e, m, l)",
+  m.def("softmax_rows", &softmax_rows, without_gil, "causal_attention.cpp's chunk softmax over rows [R, 256] with one implementation -> (e, m, l)",
         arg("scores"), arg("seen"), arg("isa"));
   m.def("causal_attention_revision", &causal_attention_revision,
         "the revision of the sequence of operations over a bf16 cache (bumped when its bits change)");
-  m.def("causal_attention", &causal_attention,
+  m.def("causal_attention", &causal_attention, without_gil,
         "q [T, H, D] at positions start.. over keys/values [KV, L, D] -> [T, H, D], row-invariant (causal_attention.cpp)",
         arg("q"), arg("keys"), arg("values"), arg("start"));
   m.def("int8_kv_available", &int8_kv_available, "whether this CPU attends over an int8 cache (AVX512-VNNI)");
   m.def("int8_kv_revision", &int8_kv_revision, "the revision of the sequence of operations over an int8 cache");
-  m.def("quantize_kv", &quantize_kv, "k, v [T, KV, D] -> rows start.. of an int8 layer: codes and scales (causal_attention.cpp)",
+  m.def("quantize_kv", &quantize_kv, without_gil, "k, v [T, KV, D] -> rows start.. of an int8 layer: codes and scales (causal_attention.cpp)",
         arg("k"), arg("v"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"));
-  m.def("causal_attention_int8", &causal_attention_int8,
+  m.def("causal_attention_int8", &causal_attention_int8, without_gil,
         "causal_attention over an int8 layer (keys uint8 code + 128, values int8, scales [KV, L]) -> [T, H, D] in q's dtype",
         arg("q"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"));
-  m.def("draft_layers", &draft_layers, "a DFlash drafter's layers over its block, as served (drafters/dflash.py)",
+  m.def("draft_layers", &draft_layers, without_gil, "a DFlash drafter's layers over its block, as served (drafters/dflash.py)",
         arg("x"), arg("context"), arg("cos"), arg("sin"), arg("keys"), arg("values"), arg("ctx_start"), arg("norms"),
         arg("linears"), arg("H"), arg("KV"), arg("D"), arg("intermediate"), arg("eps"));
-  m.def("decode_layers", &decode_layers, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
+  m.def("decode_layers", &decode_layers, without_gil, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
         arg("sin"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
         arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("our_attention"), arg("num_heads"), arg("num_kv_heads"),
