@@ -122,8 +122,12 @@ def main() -> None:
     for label, conversations in (sets[name] for name in args.prompts.split(",")):
         ids = [render_prompt(loaded.tokenizer, messages) for messages in conversations]
         results: dict[str, list] = {mode: [] for mode in modes}
-        for _ in range(args.rounds):  # modes interleaved: a shared machine's load changes over minutes
-            for mode, (config, mode_drafter) in modes.items():
+        order = list(modes)
+        for round_ in range(args.rounds):  # modes interleaved: a shared machine's load changes over minutes
+            # Each round starts one mode later, so that no mode always runs right after the same
+            # one (auto ran after the fixed-block DFlash mode, the heaviest, in every round).
+            for mode in order[round_ % len(order):] + order[: round_ % len(order)]:
+                config, mode_drafter = modes[mode]
                 engine.speculation, engine.dflash_drafter = config, mode_drafter
                 for prompt_ids in ids:
                     engine.rollback(0)
