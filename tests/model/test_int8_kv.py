@@ -105,6 +105,28 @@ def test_it_reads_only_the_keys_a_row_may_see():
     assert torch.equal(attend(cache, q, 250), clean)
 
 
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_rows_on_amx_tiles_get_the_bits_of_rows_on_vpdpbusd(D, monkeypatch):
+    """An int8 cache's calls of many rows multiply on tiles where the CPU has AMX (int8_kv_tiles); the
+    integer sums are exact, so a row gets the same bits as with vpdpbusd (DFLASH_ATTENTION_ISA=avx512-bf16
+    keeps every call there), and, as there, reads nothing past the keys it may see."""
+    if not extension().int8_kv_tiles(D):
+        pytest.skip("no AMX tiles for an int8 cache on this CPU")
+    H, KV = 6, 2
+    cache, _, _ = filled_cache(700, KV, D, 704, seed=D + 1)
+    q = torch.randn(300, H, D, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    on_tiles = [attend(cache, q, 0), attend(cache, q[:77], 400), attend(cache, q[:40], 250)]
+    cache.keys[0, :, 290:], cache.values[0, :, 290:] = 7, -100  # past the last call's rows: never read
+    cache.key_scales[0, :, 290:], cache.value_scales[0, :, 290:] = float("nan"), float("inf")
+    assert torch.equal(attend(cache, q[:40], 250), on_tiles[2])
+    monkeypatch.setenv("DFLASH_ATTENTION_ISA", "avx512-bf16")
+    assert not extension().int8_kv_tiles(D)
+    assert torch.equal(attend(cache, q[:40], 250), on_tiles[2])
+    cache, _, _ = filled_cache(700, KV, D, 704, seed=D + 1)
+    assert torch.equal(attend(cache, q, 0), on_tiles[0])
+    assert torch.equal(attend(cache, q[:77], 400), on_tiles[1])
+
+
 def test_bad_layers_are_errors_that_say_what():
     cache, _, _ = filled_cache(8, 2, 64, 16)
     q = torch.randn(2, 4, 64).to(torch.bfloat16)

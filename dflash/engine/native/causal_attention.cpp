@@ -1430,6 +1430,227 @@ VNNI_TARGET void int8_values_block(const int32_t* const* w, const __m512i* vbuf,
   UNROLLED for (int r = 0; r < NR; ++r) UNROLLED for (int z = 0; z < V; ++z) _mm512_store_si512(o_rows + r * V + z, o[r][z]);
 }
 
+// ---- AMX tiles for an int8 cache's scores (many rows: prefill chunks, on CPUs with AMX-INT8) ----
+//
+// Why: a prefill chunk deep in a prompt multiplies every row by every key, and vpdpbusd does 64 of
+// those products an instruction: a 256-token chunk at 16K of context ran at half the bf16 cache's
+// speed, whose scores are on tiles. One tdpbsud multiplies up to 16 rows by 16 keys over 64
+// dimensions. The operands are turned as in amx_tokens_scores: the rows' codes are A (signed), the
+// keys as stored (code + 128, unsigned) are B, laid out as dimension quads x keys once per chunk and
+// call. Each element is the integer sum of its row's and key's products, as vpdpbusd's, so a row's
+// scores keep their bits whatever path its call takes (the row-invariance tests hold them equal);
+// the float steps after it are int8_sixteen_scores'.
+#define AMX_INT8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+
+constexpr int64_t kAmxInt8Rows = 16;  // rows of a chunk's call from which its scores go to tiles
+
+bool amx_int8_scores_available() {
+  static const bool available = cpu_has_avx512_vnni() && __builtin_cpu_supports("amx-tile") &&
+                                __builtin_cpu_supports("amx-int8") && amx_available();
+  return available;
+}
+
+// Whether an int8 cache's many-row calls take their scores from tiles: heads of 32, 64 or 128
+// dimensions (one or two A tiles), where chosen (DFLASH_ATTENTION_ISA=avx512-bf16 or =avx2 keeps
+// every call on vpdpbusd, as it keeps a bf16 cache off tiles).
+bool amx_int8_scores_chosen(int64_t D) {
+  const char* forced = std::getenv("DFLASH_ATTENTION_ISA");
+  if (forced != nullptr && (std::strcmp(forced, "avx2") == 0 || std::strcmp(forced, "avx512-bf16") == 0)) return false;
+  return (D == 32 || D == 64 || D == 128) && amx_int8_scores_available();
+}
+
+// Tile sums [row][key] (int32, kChunk apart) of rows [from, count) -> their scores in place:
+// int8_sixteen_scores' float steps, keys at or past `end` 0.
+template <int D>
+VNNI_TARGET void int8_scale_sums(const Int8Rows& q, int64_t h, int64_t first, int64_t from, int64_t count, const int64_t* positions,
+                                 const float* key_scales, int64_t begin, int64_t end, float* scores) {
+  for (int64_t i = from; i < count; ++i) {
+    const int64_t row = q.index(h, first + i), stop = std::min(end, positions[i] + 1);
+    const __m512i offset = _mm512_set1_epi32(q.offsets[row]);
+    const __m512 scale = _mm512_set1_ps(q.scales[row]);
+    float* const out = scores + i * kChunk;
+    for (int64_t j0 = begin; j0 < stop; j0 += 16) {
+      const __mmask16 valid = end - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - j0)) - 1);
+      const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(out + (j0 - begin)), offset);
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_maskz_loadu_ps(valid, key_scales + j0));
+      _mm512_store_ps(out + (j0 - begin), _mm512_mul_ps(scaled, scale));
+    }
+  }
+}
+
+#define INT8_SCORE_BLOCK(SUMS, KEYS0, KEYS1)                            \
+  _tile_zero(SUMS);                                                    \
+  _tile_loadd(KEYS0, laid + (b * P) * 256, 64);                        \
+  _tile_dpbsud(SUMS, 2, KEYS0);                                        \
+  if constexpr (P == 2) {                                              \
+    _tile_loadd(KEYS1, laid + (b * P + 1) * 256, 64);                  \
+    _tile_dpbsud(SUMS, 3, KEYS1);                                      \
+  }                                                                    \
+  _tile_stored(SUMS, sums + 16 * b, kChunk * sizeof(int32_t));
+
+// The scores of rows [from, count) of a chunk's call (int8_chunk_partials' rows, positions[i] each)
+// over keys [begin, end): into scores + i * kChunk from the chunk's first key on.
+template <int D>
+AMX_INT8_TARGET void amx_int8_scores(const Int8Rows& q, int64_t h, int64_t first, int64_t from, int64_t count,
+                                     const int64_t* positions, int64_t begin, int64_t end, const uint8_t* keys,
+                                     const int8_t* values, const float* key_scales, float* scores) {
+  static_assert(D == 32 || D == 64 || D == 128, "one or two A tiles of up to 64 dimensions hold a row's codes");
+  constexpr int P = (D + 63) / 64, W = D / P;  // A tiles a row takes, dimensions each
+  const int64_t stop = std::min(end, positions[count - 1] + 1);  // keys any row sees (position order)
+  if (stop <= begin) return;
+  const int64_t blocks = (stop - begin + 15) / 16;
+  thread_local Scratch key_buffer;
+  uint32_t* const laid = key_buffer.get<uint32_t>(size_t(blocks) * P * 256);  // [block][part][quad][key]
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j0 = begin + 16 * b;
+    for (int64_t line = 0; line < 16 * D; line += 64)  // the values into L2 for the pass after the softmax
+      _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
+    for (int part = 0; part < P; ++part) {
+      constexpr __mmask64 kPart = W == 64 ? ~__mmask64(0) : (__mmask64(1) << W) - 1;
+      __m512 key_quads[16], quad_rows[16];  // key k's W / 4 dimension quads -> quad t's 16 keys
+      UNROLLED for (int k = 0; k < 16; ++k)
+        key_quads[k] = _mm512_castsi512_ps(j0 + k < end ? _mm512_maskz_loadu_epi8(kPart, keys + (j0 + k) * D + W * part)
+                                                        : _mm512_setzero_si512());
+      transpose16(key_quads, quad_rows);
+      UNROLLED for (int t = 0; t < 16; ++t) _mm512_store_ps(laid + ((b * P + part) * 16 + t) * 16, quad_rows[t]);
+    }
+  }
+  alignas(64) int8_t codes[16 * D];
+  int32_t* const all_sums = reinterpret_cast<int32_t*>(scores);
+  int configured = 0;  // rows the tiles are configured for: loading a configuration waits for every tile operation
+  for (int64_t i0 = from; i0 < count; i0 += 16) {
+    const int n = int(std::min<int64_t>(16, count - i0));
+    const int64_t group_stop = std::min(end, positions[i0 + n - 1] + 1);
+    const int64_t group_blocks = (group_stop - begin + 15) / 16;
+    for (int r = 0; r < n; ++r) std::memcpy(codes + r * D, q.rows.q + q.index(h, first + i0 + r) * D, size_t(D));
+    if (n != configured) {
+      TileConfig config;  // tmm0, tmm1: sums (n rows x 16 keys); tmm2, tmm3: the rows' codes; tmm4-7: keys of two blocks
+      for (int t = 0; t < 2; ++t) config.shape(t, n, 64);
+      for (int t = 2; t < 4; ++t) config.shape(t, n, W);
+      for (int t = 4; t < 8; ++t) config.shape(t, W / 4, 64);
+      load_tiles(config);
+      configured = n;
+    }
+    _tile_loadd(2, codes, D);
+    if constexpr (P == 2) _tile_loadd(3, codes + W, D);
+    int32_t* const sums = all_sums + i0 * kChunk;
+    for (int64_t b = 0; b < group_blocks; ++b) {
+      if (b % 2 == 0) {
+        INT8_SCORE_BLOCK(0, 4, 5)
+      } else {
+        INT8_SCORE_BLOCK(1, 6, 7)
+      }
+    }
+  }
+  _tile_release();
+}
+#undef INT8_SCORE_BLOCK
+
+// The values of the same rows on tiles: o = the integer sum over the chunk's keys of each row's
+// int16 weight (int8_weights) times the value codes, as vpdpwssd's pairs give it. Tiles multiply
+// bytes, so a weight w (0..32767) is taken as 256 * high + low bytes: o = 256 * (high . v) + (low .
+// v), each tdpbusd sum exact (at most 256 * 127 * 128 before the factor 256), so o has the same
+// bits, and so has o * f after it. The value codes are laid out once per chunk and call as 64-key
+// blocks of B tiles: [block][16 dimensions][key quad][dimension][4 keys].
+template <int D>
+AMX_INT8_TARGET void amx_int8_values(int64_t from, int64_t count, const int64_t* positions, const int32_t* weights,
+                                     const float* factors, int64_t begin, int64_t end, const int8_t* values, float* out) {
+  static_assert(D == 32 || D == 64 || D == 128, "whole 16-dimension groups, at most 64 dimensions a load");
+  constexpr int kGroups = D / 16, kHalf = D < 64 ? D : 64;  // dimension groups (of 16), dimensions a load
+  const int64_t blocks = (std::min(end, positions[count - 1] + 1) - begin + 63) / 64;
+  if (blocks <= 0) return;
+  thread_local Scratch value_buffer;
+  int8_t* const laid = value_buffer.get<int8_t>(size_t(blocks) * kGroups * 1024);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int t = 0; t < 16; ++t) {  // keys j .. j + 3 -> row t of each group's B tile
+      const int64_t j = begin + 64 * b + 4 * t;
+      for (int half = 0; half * 64 < D; ++half) {
+        constexpr __mmask64 kLoad = kHalf == 64 ? ~__mmask64(0) : (__mmask64(1) << kHalf) - 1;
+        __m512i key[4];
+        UNROLLED for (int u = 0; u < 4; ++u)
+          key[u] = j + u < end ? _mm512_maskz_loadu_epi8(kLoad, values + (j + u) * D + 64 * half) : _mm512_setzero_si512();
+        const __m512i ab_low = _mm512_unpacklo_epi8(key[0], key[1]), ab_high = _mm512_unpackhi_epi8(key[0], key[1]);
+        const __m512i cd_low = _mm512_unpacklo_epi8(key[2], key[3]), cd_high = _mm512_unpackhi_epi8(key[2], key[3]);
+        // in each 128-bit lane L (dimensions 16L..16L+15): the 4 keys of dimensions 0-3, 4-7, 8-11, 12-15
+        const __m512i r0 = _mm512_unpacklo_epi16(ab_low, cd_low), r1 = _mm512_unpackhi_epi16(ab_low, cd_low);
+        const __m512i r2 = _mm512_unpacklo_epi16(ab_high, cd_high), r3 = _mm512_unpackhi_epi16(ab_high, cd_high);
+        const __m512i t0 = _mm512_shuffle_i32x4(r0, r1, 0x44), t1 = _mm512_shuffle_i32x4(r0, r1, 0xEE);
+        const __m512i t2 = _mm512_shuffle_i32x4(r2, r3, 0x44), t3 = _mm512_shuffle_i32x4(r2, r3, 0xEE);
+        const __m512i lanes[4] = {_mm512_shuffle_i32x4(t0, t2, 0x88), _mm512_shuffle_i32x4(t0, t2, 0xDD),
+                                  _mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xDD)};
+        UNROLLED for (int L = 0; L < kHalf / 16; ++L)
+          _mm512_store_si512(laid + ((b * kGroups + 4 * half + L) * 16 + t) * 64, lanes[L]);
+      }
+    }
+  }
+  alignas(64) uint8_t low[4][16][64], high[4][16][64];  // [block][row][key]: the weights' bytes, A tiles
+  alignas(64) int32_t low_sums[16][64], high_sums[16][64];  // [row][dimension of up to 4 groups]
+  int configured = 0;
+  for (int64_t i0 = from; i0 < count; i0 += 16) {
+    const int n = int(std::min<int64_t>(16, count - i0));
+    const int64_t keys = std::min(end, positions[i0 + n - 1] + 1) - begin;  // the group's last row sees the most
+    const int64_t group_blocks = (keys + 63) / 64, zeroed = (keys + 1) / 2 * 2;  // int8_weights' zeros end there
+    for (int r = 0; r < n; ++r) {
+      const int16_t* w = reinterpret_cast<const int16_t*>(weights + (i0 + r) * kChunk / 2);
+      for (int64_t b = 0; b < group_blocks; ++b) {
+        for (int half = 0; half < 2; ++half) {
+          const int64_t k0 = 64 * b + 32 * half;
+          const __mmask32 valid = zeroed - k0 >= 32 ? ~__mmask32(0) : zeroed <= k0 ? 0 : __mmask32((1u << (zeroed - k0)) - 1);
+          const __m512i pair = _mm512_maskz_loadu_epi16(valid, w + k0);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&low[b][r][32 * half]), _mm512_cvtepi16_epi8(pair));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&high[b][r][32 * half]), _mm512_cvtepi16_epi8(_mm512_srli_epi16(pair, 8)));
+        }
+      }
+    }
+    if (n != configured) {
+      TileConfig config;  // tmm0-3: sums of 4 dimension groups (n rows x 16); tmm4: weight bytes; tmm5: value codes
+      for (int t = 0; t < 5; ++t) config.shape(t, n, 64);
+      config.shape(5, 16, 64);
+      load_tiles(config);
+      configured = n;
+    }
+    for (int g0 = 0; g0 < kGroups; g0 += 4) {
+      for (int part = 0; part < 2; ++part) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < group_blocks; ++b) {
+          _tile_loadd(4, part == 0 ? &low[b][0][0] : &high[b][0][0], 64);
+          const int8_t* block = laid + (b * kGroups + g0) * 1024;
+          _tile_loadd(5, block, 64);
+          _tile_dpbusd(0, 4, 5);
+          _tile_loadd(5, block + 1024, 64);
+          _tile_dpbusd(1, 4, 5);
+          if constexpr (kGroups >= 4) {
+            _tile_loadd(5, block + 2048, 64);
+            _tile_dpbusd(2, 4, 5);
+            _tile_loadd(5, block + 3072, 64);
+            _tile_dpbusd(3, 4, 5);
+          }
+        }
+        int32_t* const sums = part == 0 ? &low_sums[0][0] : &high_sums[0][0];
+        _tile_stored(0, sums, 256);
+        _tile_stored(1, sums + 16, 256);
+        if constexpr (kGroups >= 4) {
+          _tile_stored(2, sums + 32, 256);
+          _tile_stored(3, sums + 48, 256);
+        }
+      }
+      for (int r = 0; r < n; ++r) {
+        const __m512 factor = _mm512_set1_ps(factors[i0 + r]);
+        float* const o = out + (i0 + r) * (D + 2) + 2 + 16 * g0;
+        UNROLLED for (int g = 0; g < std::min(4, kGroups); ++g) {
+          const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&high_sums[r][16 * g]), 8),
+                                               _mm512_load_si512(&low_sums[r][16 * g]));
+          _mm512_storeu_ps(o + 16 * g, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), factor));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
 // Partials of rows [first, last) of KV head h over chunk c (rows whose position is below the chunk
 // are left alone), whatever their tokens: each block of 16 keys and of 16 value pairs is read once
 // for all the rows. keys/values/scales: this head's, from position 0; out: row first's partial.
@@ -1451,25 +1672,37 @@ VNNI_TARGET void int8_chunk_partials(const Int8Rows& q, int64_t h, int64_t first
   for (int64_t i = 0; i < count; ++i) positions[i] = rows.position(first + i);
   int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
   while (active < count && positions[active] < begin) ++active;
-  // scores, 16 keys at a time for every row that sees them
-  for (int64_t j0 = begin; j0 < end; j0 += 16) {
-    for (int64_t line = 0; line < 16 * D; line += 64) {  // the next keys into L1, these keys' values into L2
-      _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
+  bool on_tiles = false;
+  if constexpr (D == 32 || D == 64 || D == 128) {
+    if (count - active >= kAmxInt8Rows && amx_int8_scores_chosen(D)) {
+      amx_int8_scores<D>(q, h, first, active, count, positions, begin, end, keys, values, key_scales, scores);
+      int8_scale_sums<D>(q, h, first, active, count, positions, key_scales, begin, end, scores);
+      on_tiles = true;
     }
-    for (int64_t i = active; i < count; ++i) {
-      if (positions[i] < j0) continue;
-      const int64_t row = q.index(h, first + i);
-      __m512i query[H];
-      UNROLLED for (int v = 0; v < H; ++v) query[v] = _mm512_maskz_loadu_epi8(Int8Keys<D>::mask(v), rows.q + row * D + 64 * v);
-      _mm512_storeu_ps(scores + i * kChunk + (j0 - begin),
-                       int8_sixteen_scores<D>(query, q.offsets[row], q.scales[row], keys, key_scales, j0, end));
+  }
+  if (!on_tiles) {  // else the scores, 16 keys at a time for every row that sees them
+    for (int64_t j0 = begin; j0 < end; j0 += 16) {
+      for (int64_t line = 0; line < 16 * D; line += 64) {  // the next keys into L1, these keys' values into L2
+        _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + kPrefetchKeys) * D) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(values + j0 * D) + line, _MM_HINT_T1);
+      }
+      for (int64_t i = active; i < count; ++i) {
+        if (positions[i] < j0) continue;
+        const int64_t row = q.index(h, first + i);
+        __m512i query[H];
+        UNROLLED for (int v = 0; v < H; ++v) query[v] = _mm512_maskz_loadu_epi8(Int8Keys<D>::mask(v), rows.q + row * D + 64 * v);
+        _mm512_storeu_ps(scores + i * kChunk + (j0 - begin),
+                         int8_sixteen_scores<D>(query, q.offsets[row], q.scales[row], keys, key_scales, j0, end));
+      }
     }
   }
   for (int64_t i = active; i < count; ++i) {
     const int64_t seen = std::min(end, positions[i] + 1) - begin;
     chunk_softmax(scores + i * kChunk, seen, Partial{out + i * (D + 2)});
     factors[i] = int8_weights(scores + i * kChunk, seen, value_scales + begin, weights + i * kChunk / 2, pairs);
+  }
+  if constexpr (D == 32 || D == 64 || D == 128) {
+    if (on_tiles) return amx_int8_values<D>(active, count, positions, weights, factors, begin, end, values, out);
   }
   // values, 16 pairs at a time for groups of NR rows
   std::memset(static_cast<void*>(o + active * V), 0, sizeof(__m512i) * V * size_t(count - active));
@@ -1563,6 +1796,10 @@ int64_t causal_attention_revision() { return 3; }
 
 // Whether this CPU attends over an int8 cache (causal_attention_int8, quantize_kv).
 bool int8_kv_available() { return cpu_has_avx512_vnni(); }
+
+// Whether an int8 cache's calls of many rows take their scores and values from AMX tiles, for head
+// dim D (amx_int8_scores, amx_int8_values; the same bits as vpdpbusd's).
+bool int8_kv_tiles(int64_t D) { return amx_int8_scores_chosen(D); }
 
 // The sequence of operations over an int8 cache, bumped whenever it changes (a disk snapshot names it):
 // 2, exp_nonpositive's base-2 reduction.

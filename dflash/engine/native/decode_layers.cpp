@@ -44,6 +44,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const a
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor widen_to_fp32(const at::Tensor& x);
 bool int8_kv_available();
+bool int8_kv_tiles(int64_t D);
 int64_t int8_kv_revision();
 void quantize_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor keys, at::Tensor values, at::Tensor key_scales,
                  at::Tensor value_scales, int64_t start);
@@ -878,6 +879,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q [T, H, D] at positions start.. over keys/values [KV, L, D] -> [T, H, D], row-invariant (causal_attention.cpp)",
         arg("q"), arg("keys"), arg("values"), arg("start"));
   m.def("int8_kv_available", &int8_kv_available, "whether this CPU attends over an int8 cache (AVX512-VNNI)");
+  m.def("int8_kv_tiles", &int8_kv_tiles,
+        "whether an int8 cache's calls of many rows (16 and more a head and chunk) multiply on AMX tiles, for head dim D");
   m.def("int8_kv_revision", &int8_kv_revision, "the revision of the sequence of operations over an int8 cache");
   m.def("quantize_kv", &quantize_kv, without_gil, "k, v [T, KV, D] -> rows start.. of an int8 layer: codes and scales (causal_attention.cpp)",
         arg("k"), arg("v"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"));
