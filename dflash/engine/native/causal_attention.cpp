@@ -1401,6 +1401,67 @@ VNNI_TARGET float int8_weights(const float* e, int64_t seen, const float* value_
   return w_max > 0.0f ? w_max / kWeightCodes : 0.0f;
 }
 
+// Tile sums of four rows that each see the whole chunk (kChunk apart, int32; rows q_rows[r]) -> their
+// partials' m and l (`stride` floats apart), int16 weights (kChunk / 2 pairs apart) and factors:
+// int8_sixteen_scores' float steps, chunk_softmax_avx512 and int8_weights, each the same operations
+// in the same order for each row (so the same bits), in three passes over the rows' scores instead
+// of five, the four rows' dependent chains interleaved (as chunk_softmax_avx512_four_whole's).
+VNNI_TARGET void int8_four_whole(const Int8Rows& q, const int64_t* q_rows, int32_t* sums, const float* key_scales,
+                                 const float* value_scales, float* partials, int64_t stride, int32_t* pairs, float* factors) {
+  constexpr int R = 4;
+  float* const s = reinterpret_cast<float*>(sums);
+  __m512i offset[R];
+  __m512 row_scale[R], wide_max[R], largest[R];
+  UNROLLED for (int r = 0; r < R; ++r) {
+    offset[r] = _mm512_set1_epi32(q.offsets[q_rows[r]]);
+    row_scale[r] = _mm512_set1_ps(q.scales[q_rows[r]]);
+    wide_max[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    largest[r] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < kChunk; j += 16) {
+    const __m512 key_scale = _mm512_loadu_ps(key_scales + j);
+    UNROLLED for (int r = 0; r < R; ++r) {
+      const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(sums + r * kChunk + j), offset[r]);
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), key_scale), row_scale[r]);
+      _mm512_store_ps(s + r * kChunk + j, v);
+      wide_max[r] = _mm512_max_ps(wide_max[r], v);
+    }
+  }
+  __m512 shift[R];
+  __m256 total[R];
+  UNROLLED for (int r = 0; r < R; ++r) {
+    const float m = max_of(_mm256_max_ps(_mm512_castps512_ps256(wide_max[r]), _mm512_extractf32x8_ps(wide_max[r], 1)));
+    partials[r * stride] = m;
+    shift[r] = _mm512_set1_ps(m);
+    total[r] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < kChunk; j += 16) {
+    const __m512 value_scale = _mm512_loadu_ps(value_scales + j);
+    UNROLLED for (int r = 0; r < R; ++r) {
+      const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_load_ps(s + r * kChunk + j), shift[r]));
+      total[r] = _mm256_add_ps(total[r], _mm512_castps512_ps256(e));
+      total[r] = _mm256_add_ps(total[r], _mm512_extractf32x8_ps(e, 1));
+      const __m512 w = _mm512_mul_ps(e, value_scale);
+      _mm512_store_ps(s + r * kChunk + j, w);
+      largest[r] = _mm512_max_ps(largest[r], w);
+    }
+  }
+  UNROLLED for (int r = 0; r < R; ++r) {
+    partials[r * stride + 1] = sum_of(total[r]);
+    const float w_max = _mm512_reduce_max_ps(largest[r]);
+    int16_t* const weights = reinterpret_cast<int16_t*>(pairs + r * (kChunk / 2));
+    factors[r] = w_max > 0.0f ? w_max / kWeightCodes : 0.0f;
+    if (!(w_max > 0.0f)) {
+      std::memset(weights, 0, sizeof(int16_t) * kChunk);
+      continue;
+    }
+    const __m512 inverse = _mm512_set1_ps(kWeightCodes / w_max);
+    for (int64_t j = 0; j < kChunk; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j),
+                          _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(s + r * kChunk + j), inverse))));
+  }
+}
+
 // Key pair values (keys j and j + 1, zeros at or past `end`) as int16, interleaved like
 // interleaved_values (bf16_store_o puts them back in order).
 template <int D>
@@ -1673,10 +1734,16 @@ VNNI_TARGET void int8_chunk_partials(const Int8Rows& q, int64_t h, int64_t first
   int64_t active = 0;  // rows before it see nothing of this chunk (rows are in position order)
   while (active < count && positions[active] < begin) ++active;
   bool on_tiles = false;
+  int64_t whole = count;  // the rows from which every row sees the whole chunk, in fours (tiles only)
   if constexpr (D == 32 || D == 64 || D == 128) {
     if (count - active >= kAmxInt8Rows && amx_int8_scores_chosen(D)) {
       amx_int8_scores<D>(q, h, first, active, count, positions, begin, end, keys, values, key_scales, scores);
-      int8_scale_sums<D>(q, h, first, active, count, positions, key_scales, begin, end, scores);
+      if (end - begin == kChunk) {
+        whole = active;
+        while (whole < count && positions[whole] < end - 1) ++whole;
+        whole += (count - whole) % 4;  // the rows left over go one by one
+      }
+      int8_scale_sums<D>(q, h, first, active, whole, positions, key_scales, begin, end, scores);
       on_tiles = true;
     }
   }
@@ -1696,10 +1763,15 @@ VNNI_TARGET void int8_chunk_partials(const Int8Rows& q, int64_t h, int64_t first
       }
     }
   }
-  for (int64_t i = active; i < count; ++i) {
+  for (int64_t i = active; i < whole; ++i) {
     const int64_t seen = std::min(end, positions[i] + 1) - begin;
     chunk_softmax(scores + i * kChunk, seen, Partial{out + i * (D + 2)});
     factors[i] = int8_weights(scores + i * kChunk, seen, value_scales + begin, weights + i * kChunk / 2, pairs);
+  }
+  for (int64_t i = whole; i < count; i += 4) {
+    const int64_t q_rows[4] = {q.index(h, first + i), q.index(h, first + i + 1), q.index(h, first + i + 2), q.index(h, first + i + 3)};
+    int8_four_whole(q, q_rows, reinterpret_cast<int32_t*>(scores + i * kChunk), key_scales + begin, value_scales + begin,
+                    out + i * (D + 2), D + 2, weights + i * kChunk / 2, factors + i);
   }
   if constexpr (D == 32 || D == 64 || D == 128) {
     if (on_tiles) return amx_int8_values<D>(active, count, positions, weights, factors, begin, end, values, out);
