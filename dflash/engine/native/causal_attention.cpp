@@ -1308,18 +1308,36 @@ bool cpu_has_avx512_vnni() {
 constexpr int kKeyOffset = 128;        // a key code c is stored as the byte c + 128
 constexpr float kWeightCodes = 32767;  // the largest value weight, as int16
 
-// x[0..D) -> codes, returning the scale (quantize_kv, the query rows): plain scalar code, so every
-// caller gets the same bits (no fast-math: the division and the rounding are IEEE's).
+// 16 values as fp32 (bf16's exactly: fp32's top half).
 template <typename T>
-float quantize_row(const T* x, int64_t D, int8_t* codes) {
-  float amax = 0.0f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(float(x[d])));
+VNNI_TARGET inline __m512 sixteen_floats(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(x);
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+  }
+}
+
+// x[0..D) -> codes, returning the scale (quantize_kv, the query rows). Each code is one IEEE
+// division and a round to nearest even (no fast-math), 16 lanes at a time (D is a multiple of 16):
+// the bits of the scalar std::nearbyint(x / scale) clamped to +-127 that it replaced, NaN included
+// (a NaN x is left out of the largest |x| and codes as 127, as std::max/std::min had it).
+template <typename T>
+VNNI_TARGET float quantize_row(const T* x, int64_t D, int8_t* codes) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) largest = _mm512_max_ps(_mm512_abs_ps(sixteen_floats(x + d)), largest);
+  const float amax = _mm512_reduce_max_ps(largest);
   if (!(amax > 0.0f)) {
     std::memset(codes, 0, size_t(D));
     return 0.0f;
   }
   const float scale = amax / 127.0f;
-  for (int64_t d = 0; d < D; ++d) codes[d] = int8_t(std::max(-127.0f, std::min(127.0f, std::nearbyint(float(x[d]) / scale))));
+  const __m512 divisor = _mm512_set1_ps(scale), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(sixteen_floats(x + d), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 clamped = _mm512_max_ps(_mm512_min_ps(rounded, top), bottom);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(clamped)));
+  }
   return scale;
 }
 
