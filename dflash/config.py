@@ -96,9 +96,10 @@ class ModelConfig:
     dtype: str = attrs.field(default="bfloat16", validator=_one_of("bfloat16", "float32"))
     # auto = the fewest weight bytes that hold the quality bar on this model (engine/quant.py).
     weights: str = attrs.field(default="auto", validator=_one_of("auto", "bf16", "fp32", "int8", "int4"))
-    # The KV cache: auto = the model's dtype (fp32 where a bf16 one would be slow on this CPU);
-    # int8 = int8 codes with a scale per token and head (half bf16's bytes; AVX512-VNNI only).
-    kv_cache: str = attrs.field(default="auto", validator=_one_of("auto", "int8"))
+    # The KV cache: float = the activation dtype (fp32 where a bf16 one would be slow on this CPU);
+    # int8 = int8 codes with a scale per token and head (half bf16's bytes; AVX512-VNNI only);
+    # auto = int8 with int8/int4 weights on a CPU with AMX tiles for it, else float (loading.auto_kv_cache).
+    kv_cache: str = attrs.field(default="auto", validator=_one_of("auto", "float", "int8"))
     # Past the model's trained context (8192 for the embedded model) positions use RoPE scaling.
     max_ctx: int = attrs.field(default=32768, validator=_ints(16))
     rope_scaling: str = attrs.field(default="auto", validator=_one_of("auto", "none", "yarn", "linear"))

@@ -67,7 +67,7 @@ class ModelLoadError(Exception):
     pass
 
 
-KV_CACHES = ("auto", "int8")  # config.ModelConfig.kv_cache
+KV_CACHES = ("auto", "float", "int8")  # config.ModelConfig.kv_cache
 
 @attrs.define
 class LoadedModel:
@@ -80,6 +80,22 @@ class LoadedModel:
     backend: str  # "native" or "transformers"
     weights: str = "bf16"  # the weight format served: bf16, fp32, int8 or int4
     kv_cache: str = "bfloat16"  # the serving KV cache's dtype: bfloat16, float32 or int8
+
+
+def auto_kv_cache(weights: str, head_dim: int) -> str:
+    """The cache `kv_cache = "auto"` serves: int8 where the weights are quantized already and this CPU
+    multiplies an int8 cache's prefill on AMX tiles (native.int8_kv_tiles), else the activation dtype.
+
+    Why there: a decode step at depth reads the whole cache, and int8 halves bf16's bytes (decode at
+    16K of context 1.4x faster, at 1K ~1.1x: bench/decode.py --kv-dtypes, AMX) for a perplexity 0.05%
+    from the bf16 cache's (bench/kv_quality.py). Without tiles its prefill at depth runs at about half
+    the bf16 cache's (vpdpbusd), and bf16 or fp32 weights are chosen for their exactness: both keep it.
+    """
+    native = native_extension()
+    if (weights in ("int8", "int4") and native is not None and native.int8_kv_available()
+            and native.int8_kv_tiles(head_dim)):
+        return "int8"
+    return "float"
 
 
 def load_model(
@@ -107,7 +123,8 @@ def load_model(
 ) -> LoadedModel:
     """`weights`: None serves `dtype` as it is; "auto", "bf16", "fp32", "int8" or "int4" pick the
     weight format (quant.py), which also sets the activation dtype (bf16 for the quantized ones).
-    `kv_cache`: "auto" (model.kv_dtype_for) or "int8" (kv.Int8KVCache; built-in decoder, AVX512-VNNI)."""
+    `kv_cache`: "float" (the activation dtype: model.kv_dtype_for), "int8" (kv.Int8KVCache; built-in
+    decoder, AVX512-VNNI) or "auto" (auto_kv_cache)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     if weights is not None and weights not in WEIGHT_FORMATS:
@@ -137,6 +154,8 @@ def load_model(
         args = with_rope_scaling(args, max_ctx, rope_scaling, rope_scaling_factor)
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
         quantize_linears(model, weights)
+        if kv_cache == "auto":
+            kv_cache = auto_kv_cache(weights, args.head_dim)
         if kv_cache == "int8":
             native_kernels = native_extension()
             if native_kernels is None or not native_kernels.int8_kv_available():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.engine.loading import ModelLoadError, load_model, numerics, resolve_source
+from dflash.engine.loading import ModelLoadError, auto_kv_cache, load_model, numerics, resolve_source
 from dflash.engine.model import attention_description, silu_description
 from dflash.engine.native import extension
 from dflash.engine.quant import kernels
@@ -77,6 +77,33 @@ def test_an_int8_kv_cache_is_served_where_the_cpu_can_and_refused_clearly_elsewh
     monkeypatch.setattr("dflash.engine.loading.native_extension", lambda: None)  # no native kernels, or no VNNI
     with pytest.raises(ModelLoadError, match="AVX512-VNNI"):
         load_model(str(tmp_path / "tiny"), kv_cache="int8", max_ctx=64)
+
+
+def test_auto_serves_an_int8_cache_with_quantized_weights_where_tiles_multiply_it(tmp_path, monkeypatch):
+    write_hf_folder(tmp_path / "tiny", "qwen3")  # head dim 32
+    tiles = extension() is not None and extension().int8_kv_available() and extension().int8_kv_tiles(32)
+    quantized = load_model(str(tmp_path / "tiny"), weights="int8", max_ctx=64)  # kv_cache = "auto"
+    assert quantized.kv_cache == ("int8" if tiles else "bfloat16") and quantized.engine.kv.quantized == tiles
+    assert quantized.engine.start([5, 9, 33], SamplingParams(), max_tokens=4).run()
+    assert load_model(str(tmp_path / "tiny"), weights="bf16", max_ctx=64).kv_cache == "bfloat16"
+    assert load_model(str(tmp_path / "tiny"), weights="int8", kv_cache="float", max_ctx=64).kv_cache == "bfloat16"
+
+    class Kernels:  # a CPU with VNNI, with or without the tiles
+        def __init__(self, tiles):
+            self.tiles = tiles
+
+        def int8_kv_available(self):
+            return True
+
+        def int8_kv_tiles(self, head_dim):
+            return self.tiles and head_dim in (32, 64, 128)
+
+    for kernels, weights, head_dim, expected in [(Kernels(True), "int4", 64, "int8"), (Kernels(True), "int8", 128, "int8"),
+                                                 (Kernels(False), "int4", 64, "float"), (Kernels(True), "bf16", 64, "float"),
+                                                 (Kernels(True), "fp32", 64, "float"), (Kernels(True), "int4", 256, "float"),
+                                                 (None, "int4", 64, "float")]:
+        monkeypatch.setattr("dflash.engine.loading.native_extension", lambda: kernels)
+        assert auto_kv_cache(weights, head_dim) == expected, (kernels and kernels.tiles, weights, head_dim)
 
 
 def test_missing_path_is_a_clear_error(tmp_path):

@@ -48,7 +48,7 @@ def test_the_example_documents_exactly_the_defaults():
     ({"server": {"queue_max": -1}}, "server.queue_max: expected an integer >= 0, got -1"),
     ({"model": {"dtype": "fp8"}}, "model.dtype: expected one of 'bfloat16', 'float32', got 'fp8'"),
     ({"model": {"max_ctx": 1.5}}, "model.max_ctx: expected an integer, got 1.5"),
-    ({"model": {"kv_cache": "int4"}}, "model.kv_cache: expected one of 'auto', 'int8', got 'int4'"),
+    ({"model": {"kv_cache": "int4"}}, "model.kv_cache: expected one of 'auto', 'float', 'int8', got 'int4'"),
     ({"model": {"rope_scaling": "ntk"}}, "model.rope_scaling: expected one of 'auto', 'none', 'yarn', 'linear', got 'ntk'"),
     ({"model": {"rope_scaling": 4}}, "model.rope_scaling: expected a string, got 4"),
     ({"model": {"rope_scaling_factor": 0.5}}, "model.rope_scaling_factor: expected 0 (derived) or a number >= 1, got 0.5"),
