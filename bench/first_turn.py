@@ -10,7 +10,7 @@ Prints time to first token (the first event with generated content: not the empt
 as keep-alives during prefill), prompt and prefilled tokens of each, and what the snapshot tiers
 hold after turn 2 (`/metrics`).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/first_turn.py [--client claude|codex] [--max-tokens 16]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/first_turn.py [--client claude|codex] [--max-tokens 16] [--kv-cache auto]
 """
 
 from __future__ import annotations
@@ -117,13 +117,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", choices=sorted(CLIENTS), default="claude")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
     args = parser.parse_args()
     path, body = first_request(args.client, args.max_tokens)
     disk_dir = Path(tempfile.mkdtemp(prefix="dflash-first-turn-"))
     rows = []
     try:
         for phase in ("first", "restart"):
-            with LiveServer(fake=False, cache={"disk_dir": str(disk_dir)}) as server, \
+            with LiveServer(fake=False, cache={"disk_dir": str(disk_dir)}, model={"kv_cache": args.kv_cache}) as server, \
                     httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=3600) as http:
                 if phase == "first":
                     ttft, reply, timings = stream(http, path, body)
@@ -142,7 +143,7 @@ def main() -> None:
                     rows.append(("new session after restart", ttft, timings))
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
-    print(f"\n{args.client} first turn, embedded model, CPU: {cpu_kind()}; graceful stop after turn 2: {stop_s:.1f} s; "
+    print(f"\n{args.client} first turn, embedded model, kv_cache {args.kv_cache}, CPU: {cpu_kind()}; graceful stop after turn 2: {stop_s:.1f} s; "
           "snapshots held after turn 2: " + ", ".join(f"{tier} {size / 2**20:.0f} MiB" for tier, size in held.items()))
     print("| request | prompt tokens | prefilled | TTFT s | prefill ms |")
     print("|---|---|---|---|---|")
