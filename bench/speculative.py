@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
     parser.add_argument("--draft", help="a DFlash checkpoint folder for the target")
     parser.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1,
@@ -83,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     # Loaded as a server would be: where it would not speculate (speculation_off: a verified row
     # could differ from a decoded one on this CPU with these weights) there is nothing to measure.
-    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads,
+    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads, kv_cache=args.kv_cache,
                         speculation=SpeculationConfig(drafter="ngram"))
     if loaded.engine.speculation.drafter == "none":
         raise SystemExit(f"a server with weights {loaded.weights!r} on this CPU ({cpu_kind()}) does not speculate "
@@ -112,7 +113,7 @@ def main() -> None:
         "dflash, fixed block": (SpeculationConfig(drafter="dflash", max_draft_tokens=block, adaptive=False), drafter),
         "auto": (SpeculationConfig(drafter="auto", max_draft_tokens=block), drafter),
     }
-    print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens} "
+    print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
           f"draft={'random weights' if not args.draft else args.draft}")
     print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
     print("|---|---|---|---|---|---|")

@@ -28,9 +28,9 @@ from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
 REAL_CONTEXT = 1024  # longest context filled by a real prefill
 
 
-def load(source: str, weights: str, threads: int, max_ctx: int):
+def load(source: str, weights: str, threads: int, max_ctx: int, kv_cache: str = "auto"):
     try:
-        return load_model(source, weights=weights, max_ctx=max_ctx, threads=threads)
+        return load_model(source, weights=weights, max_ctx=max_ctx, threads=threads, kv_cache=kv_cache)
     except TypeError:  # a checkout from before weight formats: only bf16 and fp32, as dtypes
         return load_model(source, dtype={"bf16": "bfloat16", "fp32": "float32"}[weights], max_ctx=max_ctx, threads=threads)
 
@@ -44,6 +44,9 @@ def fill(model, kv, context: int) -> None:
         end = min(start + real, context)
         kv.keys[:, :, start:end] = kv.keys[:, :, : end - start]
         kv.values[:, :, start:end] = kv.values[:, :, : end - start]
+        if getattr(kv, "quantized", False):  # an int8 cache: its scales too
+            kv.key_scales[:, :, start:end] = kv.key_scales[:, :, : end - start]
+            kv.value_scales[:, :, start:end] = kv.value_scales[:, :, : end - start]
     kv.length = context
 
 
@@ -65,12 +68,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--contexts", default="256", help="context lengths, comma-separated")
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     rows = []
     for weights in args.weights.split(","):
-        loaded = load(args.model, weights, args.threads, max(contexts) + 8)
+        loaded = load(args.model, weights, args.threads, max(contexts) + 8, args.kv_cache)
         model = loaded.engine.model
         kv = model.new_kv_cache(max(contexts) + 8)
         for context in contexts:
