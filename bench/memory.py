@@ -39,8 +39,10 @@ def engine_parts() -> dict[str, float]:
     """MiB of each part of the engine the default configuration serves."""
     engine, _ = load_served_model(Config())
     model = engine.model
+    kv = engine.kv
+    scales = [kv.key_scales, kv.value_scales] if kv.quantized else []  # an int8 cache's (kv_cache = "auto" on AMX)
     parts = {"weights: target": tensor_mib([*model.parameters(), *model.buffers()]),
-             "KV state: target keys/values": tensor_mib([engine.kv.keys, engine.kv.values])}
+             "KV state: target keys/values": tensor_mib([kv.keys, kv.values, *scales])}
     drafter = engine.dflash_drafter
     if drafter is not None:
         parts["weights: drafter"] = tensor_mib([*drafter.draft.parameters(), *drafter.draft.buffers()])
