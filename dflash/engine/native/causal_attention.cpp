@@ -700,15 +700,20 @@ AMX_BF16_TARGET void amx_scores(const at::BFloat16* const* q_rows, const int64_t
 // whichever operand holds the rows, so every score keeps the bits amx_scores gives it (the
 // prefill-vs-decode test holds them equal). Rows that do not see a block get scores no one reads.
 // Heads of at most 64 dimensions (two A tiles); else amx_scores.
-#define TOKENS_SCORE_BLOCK(SUMS, KEYS0, KEYS1)                                 \
-  _tile_zero(SUMS);                                                           \
-  _tile_loadd(KEYS0, laid + (b * H) * 256, 64);                               \
-  _tile_dpbf16ps(SUMS, 2, KEYS0);                                             \
-  if constexpr (H == 2) {                                                     \
-    _tile_loadd(KEYS1, laid + (b * H + 1) * 256, 64);                         \
-    _tile_dpbf16ps(SUMS, 3, KEYS1);                                           \
-  }                                                                           \
-  _tile_stored(SUMS, out + 16 * b, kChunk * sizeof(float));
+//
+// TURNED_SCORE_BLOCK: block b of 16 keys with the operands turned (here and amx_int8_scores): the
+// rows' A tiles (tmm2, tmm3 for a second part) times the block's PARTS laid-out key tiles into SUMS,
+// stored kChunk apart from OUT + 16 * b (fp32 or int32 sums, 4 bytes each). DOT is the tile product;
+// the tile intrinsics paste their arguments into the instruction, so the tile numbers are literals.
+#define TURNED_SCORE_BLOCK(DOT, PARTS, OUT, SUMS, KEYS0, KEYS1) \
+  _tile_zero(SUMS);                                             \
+  _tile_loadd(KEYS0, laid + (b * PARTS) * 256, 64);             \
+  DOT(SUMS, 2, KEYS0);                                          \
+  if constexpr (PARTS == 2) {                                   \
+    _tile_loadd(KEYS1, laid + (b * PARTS + 1) * 256, 64);       \
+    DOT(SUMS, 3, KEYS1);                                        \
+  }                                                             \
+  _tile_stored(SUMS, OUT + 16 * b, kChunk * 4);
 
 template <int D>
 AMX_BF16_TARGET void amx_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h, int64_t first, int64_t last,
@@ -753,15 +758,14 @@ AMX_BF16_TARGET void amx_tokens_scores(const Rows<at::BFloat16>& rows, int64_t h
     float* const out = all_scores + (i0 - first) * kChunk;
     for (int64_t b = 0; b < group_blocks; ++b) {
       if (b % 2 == 0) {
-        TOKENS_SCORE_BLOCK(0, 4, 5)
+        TURNED_SCORE_BLOCK(_tile_dpbf16ps, H, out, 0, 4, 5)
       } else {
-        TOKENS_SCORE_BLOCK(1, 6, 7)
+        TURNED_SCORE_BLOCK(_tile_dpbf16ps, H, out, 1, 6, 7)
       }
     }
   }
   _tile_release();
 }
-#undef TOKENS_SCORE_BLOCK
 
 // The values on tiles too, where the scores are: o = sum over tdpbf16ps's blocks of 16 key pairs from
 // the chunk's start, in order, from +0, each element computed from its own row's e pairs (e_j and
@@ -1557,16 +1561,6 @@ VNNI_TARGET void int8_scale_sums(const Int8Rows& q, int64_t h, int64_t first, in
   }
 }
 
-#define INT8_SCORE_BLOCK(SUMS, KEYS0, KEYS1)                            \
-  _tile_zero(SUMS);                                                    \
-  _tile_loadd(KEYS0, laid + (b * P) * 256, 64);                        \
-  _tile_dpbsud(SUMS, 2, KEYS0);                                        \
-  if constexpr (P == 2) {                                              \
-    _tile_loadd(KEYS1, laid + (b * P + 1) * 256, 64);                  \
-    _tile_dpbsud(SUMS, 3, KEYS1);                                      \
-  }                                                                    \
-  _tile_stored(SUMS, sums + 16 * b, kChunk * sizeof(int32_t));
-
 // The scores of rows [from, count) of a chunk's call (int8_chunk_partials' rows, positions[i] each)
 // over keys [begin, end): into scores + i * kChunk from the chunk's first key on.
 template <int D>
@@ -1615,15 +1609,15 @@ AMX_INT8_TARGET void amx_int8_scores(const Int8Rows& q, int64_t h, int64_t first
     int32_t* const sums = all_sums + i0 * kChunk;
     for (int64_t b = 0; b < group_blocks; ++b) {
       if (b % 2 == 0) {
-        INT8_SCORE_BLOCK(0, 4, 5)
+        TURNED_SCORE_BLOCK(_tile_dpbsud, P, sums, 0, 4, 5)
       } else {
-        INT8_SCORE_BLOCK(1, 6, 7)
+        TURNED_SCORE_BLOCK(_tile_dpbsud, P, sums, 1, 6, 7)
       }
     }
   }
   _tile_release();
 }
-#undef INT8_SCORE_BLOCK
+#undef TURNED_SCORE_BLOCK
 
 // The values of the same rows on tiles: o = the integer sum over the chunk's keys of each row's
 // int16 weight (int8_weights) times the value codes, as vpdpwssd's pairs give it. Tiles multiply
