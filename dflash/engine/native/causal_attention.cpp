@@ -1908,6 +1908,7 @@ void check_int8_layer(const at::Tensor& keys, const at::Tensor& values, const at
 // code + 128, values int8, their scales [KV, L] float32), by quantize_row.
 void quantize_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor keys, at::Tensor values, at::Tensor key_scales,
                  at::Tensor value_scales, int64_t start) {
+  TORCH_CHECK(cpu_has_avx512_vnni(), "quantize_kv: needs AVX512-VNNI (quantize_row runs on 16 lanes)");
   check_int8_layer(keys, values, key_scales, value_scales, "quantize_kv");
   const int64_t T = k.size(0), KV = keys.size(0), L = keys.size(1), D = keys.size(2);
   TORCH_CHECK(k.dim() == 3 && k.size(1) == KV && k.size(2) == D && v.sizes() == k.sizes(), "quantize_kv: k ", k.sizes(), ", v ",
