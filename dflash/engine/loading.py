@@ -161,6 +161,9 @@ def load_model(
             if native_kernels is None or not native_kernels.int8_kv_available():
                 raise ModelLoadError("kv_cache \"int8\" needs the native kernels (`make install`) on a CPU with "
                                      f"AVX512-VNNI; this one is {cpu_kind()}")
+            if args.head_dim not in (16, 32, 64, 128, 256):
+                raise ModelLoadError(f"kv_cache \"int8\" takes heads of 16, 32, 64, 128 or 256 dimensions; this "
+                                     f"model's have {args.head_dim}")
             model.kv_cache = "int8"
         backend = "native"
         log.info("weights", format=weights, cpu=cpu_kind(), activations=dtype,

@@ -137,6 +137,9 @@ def test_bad_layers_are_errors_that_say_what():
     with pytest.raises(RuntimeError, match="scales"):
         extension().quantize_kv(q[:, :2], q[:, :2], cache.keys[0], cache.values[0], cache.key_scales[0, :, :8],
                                 cache.value_scales[0], 0)
+    odd = Int8KVCache(1, 2, 16, 24, "cpu", extension())  # no kernel takes heads of 24 dimensions
+    with pytest.raises(RuntimeError, match="head dim 24"):
+        odd.write(0, 0, torch.randn(2, 2, 24), torch.randn(2, 2, 24))
 
 
 @pytest.fixture(params=["int8", "int4"])

@@ -17,8 +17,8 @@ from dflash.engine.speculative import SpeculationConfig
 from tests.model.tiny import ours_from_hf, tiny_hf_model
 
 
-def write_hf_folder(folder, name="llama"):
-    model = tiny_hf_model(name)
+def write_hf_folder(folder, name="llama", **sizes):
+    model = tiny_hf_model(name, **sizes)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(folder)
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings},
@@ -74,6 +74,9 @@ def test_an_int8_kv_cache_is_served_where_the_cpu_can_and_refused_clearly_elsewh
         loaded = load_model(str(tmp_path / "tiny"), kv_cache="int8", weights="int8", max_ctx=64)
         assert loaded.kv_cache == "int8" and loaded.engine.kv.quantized
         assert loaded.engine.start([5, 9, 33], SamplingParams(), max_tokens=4).run()
+        write_hf_folder(tmp_path / "wide", hidden_size=96)  # heads of 24 dimensions: no kernel takes them
+        with pytest.raises(ModelLoadError, match="this model's have 24"):
+            load_model(str(tmp_path / "wide"), kv_cache="int8", weights="int8", max_ctx=64)
     monkeypatch.setattr("dflash.engine.loading.native_extension", lambda: None)  # no native kernels, or no VNNI
     with pytest.raises(ModelLoadError, match="AVX512-VNNI"):
         load_model(str(tmp_path / "tiny"), kv_cache="int8", max_ctx=64)

@@ -1911,6 +1911,7 @@ void quantize_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor keys, at::
   TORCH_CHECK(cpu_has_avx512_vnni(), "quantize_kv: needs AVX512-VNNI (quantize_row runs on 16 lanes)");
   check_int8_layer(keys, values, key_scales, value_scales, "quantize_kv");
   const int64_t T = k.size(0), KV = keys.size(0), L = keys.size(1), D = keys.size(2);
+  TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "quantize_kv: head dim ", D, " (16, 32, 64, 128 or 256)");
   TORCH_CHECK(k.dim() == 3 && k.size(1) == KV && k.size(2) == D && v.sizes() == k.sizes(), "quantize_kv: k ", k.sizes(), ", v ",
               v.sizes(), " for a cache of ", KV, " heads of ", D);
   TORCH_CHECK(start >= 0 && start + T <= L, "quantize_kv: positions ", start, "..", start + T, " past ", L);
