@@ -13,7 +13,11 @@ int8 cache has; `h` = the row is turned by the normalized Hadamard matrix first 
 that a few large channels do not set the scale of all (a rotation keeps dot products, so the kernel
 would turn the queries and the output instead); `bf16` = not quantized.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/kv_quality.py [--window 2048] [--windows 3]
+Then the served weights (`auto`) with the float cache and with the int8 one: greedy replies to the
+bench prompts (bench/quality.py's), and how many tokens of each equal the float cache's before the
+first difference. A reply that differs is not a worse one; it is other text for a drafter to guess.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/kv_quality.py [--window 2048] [--windows 3] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from quality import held_out_text  # noqa: E402
+from quality import CHAT, CODE_EDITING, CODING, DECODE_PROMPT, agreement, greedy, held_out_text  # noqa: E402
 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.kv import KVCache  # noqa: E402
@@ -104,10 +108,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens a prompt")
     args = parser.parse_args()
     rows = []
-    served = ["auto", "int8"]
-    for kv_cache in served:
+    for kv_cache in ("float", "int8"):
         try:
             loaded = load_model(args.model, weights="bf16", max_ctx=args.window + 8, threads=args.threads,
                                 kv_cache=kv_cache, prefill_chunk=args.window)
@@ -119,9 +123,9 @@ def main() -> None:
         windows = [ids[i : i + args.window] for i in range(0, args.windows * args.window, args.window)]
         D = model.args.head_dim
         kv = model.new_kv_cache(args.window + 8)
-        side = "bf16" if kv_cache == "auto" else (8, False)
+        side = "bf16" if kv_cache == "float" else (8, False)
         rows.append((f"served: {kv_cache} ({kv.keys.dtype})", bytes_per_token(side, D) * 2, perplexity(model, kv, windows)))
-        if kv_cache == "auto":
+        if kv_cache == "float":
             for label, keys, values in SIMULATED:
                 cache = SimulatedCache(model, args.window + 8, keys, values)
                 ppl = perplexity(model, cache, windows)
@@ -137,6 +141,27 @@ def main() -> None:
     print("|---|---|---|---|")
     for label, size, ppl in rows:
         print(f"| {label} | {size:.0f} | {ppl:.3f} | {ppl / reference - 1:+.2%} |")
+    print_greedy_agreement(args)
+
+
+def print_greedy_agreement(args) -> None:
+    prompts = [DECODE_PROMPT, *CODE_EDITING, *CHAT, *CODING]
+    replies = {}
+    for kv_cache in ("float", "int8"):
+        try:
+            loaded = load_model(args.model, weights="auto", max_ctx=2048, threads=args.threads, kv_cache=kv_cache)
+        except Exception as error:
+            print(f"kv_cache {kv_cache!r} not measured: {error}")
+            return
+        replies[kv_cache] = (loaded.weights, greedy(loaded, prompts, args.tokens))
+        del loaded
+    weights, reference = replies["float"]
+    # the first token that differs, 1-based ('-': the same reply); a reply that ended first differs there
+    firsts = ["-" if out == ref else str(next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref))) + 1)
+              for out, ref in zip(replies["int8"][1], reference)]
+    print(f"\ngreedy replies, weights {weights}, {len(prompts)} prompts x {args.tokens} tokens: the int8 cache's equal "
+          f"the float cache's for {agreement(replies['int8'][1], reference):.0%} of their tokens before the first "
+          f"difference (the first different token of each: {', '.join(firsts)})")
 
 
 if __name__ == "__main__":
