@@ -13,7 +13,7 @@ L is computed once and shared by that length's three questions (the engine keeps
 needles of the other lengths that lie before L are in that context as distractors. A 4096-token
 length inside the trained context is the control: it shows whether the model retrieves at all.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/long_context.py [--scalings yarn,none]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/long_context.py [--scalings yarn,none] [--weights int4 --kv-cache int8]
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def question_ids(tokenizer, key: str) -> list[int]:
 
 
 def run_scaling(args, scaling: str, haystack: list[int], needle_positions: set[int], needles: list[dict]):
-    loaded = load_model(args.model, dtype=args.dtype, max_ctx=args.max_ctx, rope_scaling=scaling,
-                        prefill_chunk=CHUNK_TOKENS, threads=args.threads)
+    loaded = load_model(args.model, dtype=args.dtype, weights=args.weights, kv_cache=args.kv_cache, max_ctx=args.max_ctx,
+                        rope_scaling=scaling, prefill_chunk=CHUNK_TOKENS, threads=args.threads)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     longest_question = max(len(question_ids(tokenizer, n["key"])) for n in needles)
     # Where the haystack is cut for each length's questions: question and answer fit inside it.
@@ -127,6 +127,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", default=None, help="a weight format (auto, bf16, fp32, int8, int4); default: --dtype as it is")
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-ctx", type=int, default=32768)
     parser.add_argument("--lengths", default="4096,16384,24576,32768", help="needle context lengths")
@@ -143,7 +145,8 @@ def main() -> None:
     results = {scaling: run_scaling(args, scaling, haystack, needle_positions, needles)
                for scaling in args.scalings.split(",")}
 
-    print(f"\ncpu={kind}  threads={args.threads}  dtype={args.dtype}  torch {torch.__version__}  "
+    print(f"\ncpu={kind}  threads={args.threads}  dtype={args.dtype}  weights={args.weights or args.dtype}  "
+          f"kv_cache={args.kv_cache}  torch {torch.__version__}  "
           f"haystack: {args.max_ctx} tokens of {sysconfig.get_paths()['stdlib']}")
     buckets = [f"ppl {low // 1024}–{high // 1024}K" for low, high in BUCKETS]
     header = ("cpu", "rope_scaling", "KV dtype", *buckets, f"prefill {args.max_ctx // 1024}K")
