@@ -88,8 +88,9 @@ def auto_kv_cache(weights: str, head_dim: int) -> str:
 
     Why there: a decode step at depth reads the whole cache, and int8 halves bf16's bytes (decode at
     16K of context 1.4x faster, at 1K ~1.1x: bench/decode.py --kv-dtypes, AMX) for a perplexity 0.05%
-    from the bf16 cache's (bench/kv_quality.py). Without tiles its prefill at depth runs at about half
-    the bf16 cache's (vpdpbusd), and bf16 or fp32 weights are chosen for their exactness: both keep it.
+    from the bf16 cache's (bench/kv_quality.py). On vpdpbusd alone its prefill at depth ran at half the
+    tiled bf16 cache's on AMX; CPUs without AMX (Zen 4: int8 decoded ~10% faster in session 19) are not
+    measured since, and bf16 or fp32 weights are chosen for their exactness: these keep the float cache.
     """
     native = native_extension()
     if (weights in ("int8", "int4") and native is not None and native.int8_kv_available()
