@@ -1346,11 +1346,13 @@ VNNI_TARGET float quantize_row(const T* x, int64_t D, int8_t* codes) {
 }
 
 // Query rows quantized once per call: codes [T, H, D] (as Rows), per row its scale times
-// 1/sqrt(D) and 128 times its codes' sum (the unsigned keys' offset, taken back).
+// 1/sqrt(D) and 128 times its codes' sum (the unsigned keys' offset, taken back); `tiles`: whether
+// the call's chunks of many rows take AMX tiles (amx_int8_scores_chosen, read once per call).
 struct Int8Rows {
   Rows<int8_t> rows;
   const float* scales;
   const int32_t* offsets;
+  bool tiles;
   int64_t index(int64_t h, int64_t i) const { return (i / rows.G) * rows.H + h * rows.G + i % rows.G; }
 };
 
@@ -1748,7 +1750,7 @@ VNNI_TARGET void int8_chunk_partials(const Int8Rows& q, int64_t h, int64_t first
   bool on_tiles = false;
   int64_t whole = count;  // the rows from which every row sees the whole chunk, in fours (tiles only)
   if constexpr (D == 32 || D == 64 || D == 128) {
-    if (count - active >= kAmxInt8Rows && amx_int8_scores_chosen(D)) {
+    if (count - active >= kAmxInt8Rows && q.tiles) {
       amx_int8_scores<D>(q, h, first, active, count, positions, begin, end, keys, values, key_scales, scores);
       if (end - begin == kChunk) {
         whole = active;
@@ -1970,7 +1972,8 @@ at::Tensor causal_attention_int8(const at::Tensor& q, const at::Tensor& keys, co
   };
   if (query.scalar_type() == at::kBFloat16) quantize_queries(at::BFloat16{});
   else quantize_queries(float{});
-  const Int8Rows rows{Rows<int8_t>{codes.data_ptr<int8_t>(), start, T, H / KV, H, D, softmax_scale}, scales.data(), offsets.data()};
+  const Int8Rows rows{Rows<int8_t>{codes.data_ptr<int8_t>(), start, T, H / KV, H, D, softmax_scale}, scales.data(), offsets.data(),
+                      amx_int8_scores_chosen(D)};
   auto run = [&](auto out_type) {
     using OT = decltype(out_type);
     const uint8_t* k = keys.data_ptr<uint8_t>();

@@ -890,7 +890,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_layers", &draft_layers, without_gil, "a DFlash drafter's layers over its block, as served (drafters/dflash.py)",
         arg("x"), arg("context"), arg("cos"), arg("sin"), arg("keys"), arg("values"), arg("ctx_start"), arg("norms"),
         arg("linears"), arg("H"), arg("KV"), arg("D"), arg("intermediate"), arg("eps"));
-  m.def("decode_layers", &decode_layers, without_gil, "decoder layers over a few rows (see model.py)", arg("x"), arg("cos"),
+  m.def("decode_layers", &decode_layers, without_gil, "decoder layers over decode and verification rows, and prefill rows where every linear is ours (see model.py)", arg("x"), arg("cos"),
         arg("sin"), arg("keys"), arg("values"), arg("key_scales"), arg("value_scales"), arg("start"), arg("norms"), arg("qk_norms"), arg("linear_tensors"),
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
         arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("our_attention"), arg("num_heads"), arg("num_kv_heads"),
