@@ -110,14 +110,31 @@ def test_the_page_shows_the_server_without_console_errors(page, served):
     assert console_errors(page) == []
 
 
+def watch_reply_texts(driver) -> None:
+    """Record in the page every text the next assistant reply shows, however fast it streams: each
+    delta replaces the reply's text node, and a mutation record keeps the node it added (polling
+    over WebDriver misses states when a short reply streams faster than a round trip)."""
+    driver.execute_script("""
+        window.replyTexts = [];
+        new MutationObserver((records) => {
+          for (const record of records) {
+            if (!record.target.classList?.contains("text")) continue;
+            if (!record.target.closest(".message.assistant")) continue;
+            for (const node of record.addedNodes) window.replyTexts.push(node.textContent);
+          }
+        }).observe(document.getElementById("messages"), { childList: true, subtree: true });
+    """)
+
+
 def test_a_prompt_streams_a_reply_into_the_page(page, served, tmp_path):
-    reply = chat(page, "What is the capital of France?", max_tokens=12)
-    seen: list[str] = []
-    WebDriverWait(page, WAIT_S, poll_frequency=0.05).until(
-        lambda d: seen.append(reply.find_element(By.CLASS_NAME, "text").text) or reply.get_attribute("data-done"))
-    partial = [text for text in seen if text]
+    watch_reply_texts(page)
+    reply = chat(page, "Write a short poem about the sea.", max_tokens=32)
+    WebDriverWait(page, WAIT_S).until(lambda d: reply.get_attribute("data-done"))
+    partial = [text for text in page.execute_script("return window.replyTexts") if text]
     assert partial, "no text appeared while the reply streamed"
     assert len(set(partial)) > 1, f"the reply arrived at once, not streamed: {partial[-1]!r}"
+    shown = page.execute_script("return arguments[0].textContent", reply.find_element(By.CLASS_NAME, "text"))
+    assert partial[-1] == shown and all(shown.startswith(text) for text in partial), partial
     assert re.search("[A-Za-z]{2}", reply.find_element(By.CLASS_NAME, "text").text)
     status = page.find_element(By.ID, "chat-status").text
     assert re.fullmatch(r"done \((stop|length), \d+ tokens, first token after \d+ ms\)", status), status
