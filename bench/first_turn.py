@@ -28,6 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
+from dflash.engine.loading import KV_CACHES  # noqa: E402
 from bench.live_server import LiveServer  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "clients"
@@ -117,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", choices=sorted(CLIENTS), default="claude")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
+    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="[model] kv_cache")
     args = parser.parse_args()
     path, body = first_request(args.client, args.max_tokens)
     disk_dir = Path(tempfile.mkdtemp(prefix="dflash-first-turn-"))

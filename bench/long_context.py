@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, KV_CACHES, load_model  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 
 CHUNK_TOKENS = 256
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--weights", default=None, help="a weight format (auto, bf16, fp32, int8, int4); default: --dtype as it is")
-    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
+    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="[model] kv_cache")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-ctx", type=int, default=32768)
     parser.add_argument("--lengths", default="4096,16384,24576,32768", help="needle context lengths")

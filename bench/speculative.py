@@ -30,7 +30,7 @@ from dflash.engine.drafters.dflash import (  # noqa: E402
     random_draft_model,
 )
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, draft_vocabulary, load_model, serving_draft  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, KV_CACHES, draft_vocabulary, load_model, serving_draft  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
 from dflash.engine.speculative import SpeculationConfig  # noqa: E402
 from dflash.training.unseen import UNSEEN_PROMPTS  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
     parser.add_argument("--draft", help="a DFlash checkpoint folder for the target")
     parser.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
-    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
+    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="[model] kv_cache")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1,

@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
+from dflash.engine.loading import EMBEDDED_DEFAULT, KV_CACHES, load_model  # noqa: E402
 
 REAL_CONTEXT = 1024  # longest context filled by a real prefill
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--contexts", default="256", help="context lengths, comma-separated")
-    parser.add_argument("--kv-cache", default="auto", choices=("auto", "float", "int8"), help="[model] kv_cache")
+    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="[model] kv_cache")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     clock = time.thread_time if args.threads == 1 else time.perf_counter

@@ -1374,6 +1374,13 @@ VNNI_TARGET inline __m512i sixteen_int_sums(const __m512i* a) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(d0, d1, 0x88), _mm512_shuffle_i32x4(d0, d1, 0xDD));
 }
 
+// A row's scores from its integer sums over 16 keys: (float(dot - offset) * key_scale) * row_scale,
+// the one sequence every path takes (int8_sixteen_scores, int8_scale_sums, int8_four_whole), so a
+// row's scores keep their bits whichever computed its sums.
+VNNI_TARGET inline __m512 int8_scores_of_sums(__m512i sums, __m512i offset, __m512 key_scales, __m512 row_scale) {
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), key_scales), row_scale);
+}
+
 // One row's scores (q: its code vectors) for keys j0..j0+15; those at or past `end` are not read.
 template <int D>
 VNNI_TARGET inline __m512 int8_sixteen_scores(const __m512i* q, int32_t offset, float scale, const uint8_t* keys,
@@ -1394,10 +1401,9 @@ VNNI_TARGET inline __m512 int8_sixteen_scores(const __m512i* q, int32_t offset, 
         acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_maskz_loadu_epi8(Int8Keys<D>::mask(h), keys + (j0 + k) * D + 64 * h), q[h]);
     }
   }
-  const __m512i dots = _mm512_sub_epi32(sixteen_int_sums(acc), _mm512_set1_epi32(offset));
   const __mmask16 valid = end - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - j0)) - 1);
-  const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_maskz_loadu_ps(valid, key_scales + j0));
-  return _mm512_mul_ps(scaled, _mm512_set1_ps(scale));
+  return int8_scores_of_sums(sixteen_int_sums(acc), _mm512_set1_epi32(offset), _mm512_maskz_loadu_ps(valid, key_scales + j0),
+                             _mm512_set1_ps(scale));
 }
 
 // A row's e over its `seen` keys (softmax done) as int16 weights in pairs (see the header), zero
@@ -1427,7 +1433,7 @@ VNNI_TARGET float int8_weights(const float* e, int64_t seen, const float* value_
 
 // Tile sums of four rows that each see the whole chunk (kChunk apart, int32; rows q_rows[r]) -> their
 // partials' m and l (`stride` floats apart), int16 weights (kChunk / 2 pairs apart) and factors:
-// int8_sixteen_scores' float steps, chunk_softmax_avx512 and int8_weights, each the same operations
+// int8_scores_of_sums, chunk_softmax_avx512 and int8_weights, each the same operations
 // in the same order for each row (so the same bits), in three passes over the rows' scores instead
 // of five, the four rows' dependent chains interleaved (as chunk_softmax_avx512_four_whole's).
 VNNI_TARGET void int8_four_whole(const Int8Rows& q, const int64_t* q_rows, int32_t* sums, const float* key_scales,
@@ -1445,8 +1451,7 @@ VNNI_TARGET void int8_four_whole(const Int8Rows& q, const int64_t* q_rows, int32
   for (int64_t j = 0; j < kChunk; j += 16) {
     const __m512 key_scale = _mm512_loadu_ps(key_scales + j);
     UNROLLED for (int r = 0; r < R; ++r) {
-      const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(sums + r * kChunk + j), offset[r]);
-      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), key_scale), row_scale[r]);
+      const __m512 v = int8_scores_of_sums(_mm512_load_si512(sums + r * kChunk + j), offset[r], key_scale, row_scale[r]);
       _mm512_store_ps(s + r * kChunk + j, v);
       wide_max[r] = _mm512_max_ps(wide_max[r], v);
     }
@@ -1524,7 +1529,7 @@ VNNI_TARGET void int8_values_block(const int32_t* const* w, const __m512i* vbuf,
 // keys as stored (code + 128, unsigned) are B, laid out as dimension quads x keys once per chunk and
 // call. Each element is the integer sum of its row's and key's products, as vpdpbusd's, so a row's
 // scores keep their bits whatever path its call takes (the row-invariance tests hold them equal);
-// the float steps after it are int8_sixteen_scores'.
+// the float steps after it are int8_scores_of_sums'.
 #define AMX_INT8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 
 constexpr int64_t kAmxInt8Rows = 16;  // rows of a chunk's call from which its scores go to tiles
@@ -1545,8 +1550,7 @@ bool amx_int8_scores_chosen(int64_t D) {
 }
 
 // Tile sums [row][key] (int32, kChunk apart) of rows [from, count) -> their scores in place:
-// int8_sixteen_scores' float steps, keys at or past `end` 0.
-template <int D>
+// int8_scores_of_sums, keys at or past `end` 0.
 VNNI_TARGET void int8_scale_sums(const Int8Rows& q, int64_t h, int64_t first, int64_t from, int64_t count, const int64_t* positions,
                                  const float* key_scales, int64_t begin, int64_t end, float* scores) {
   for (int64_t i = from; i < count; ++i) {
@@ -1556,9 +1560,8 @@ VNNI_TARGET void int8_scale_sums(const Int8Rows& q, int64_t h, int64_t first, in
     float* const out = scores + i * kChunk;
     for (int64_t j0 = begin; j0 < stop; j0 += 16) {
       const __mmask16 valid = end - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - j0)) - 1);
-      const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(out + (j0 - begin)), offset);
-      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_maskz_loadu_ps(valid, key_scales + j0));
-      _mm512_store_ps(out + (j0 - begin), _mm512_mul_ps(scaled, scale));
+      _mm512_store_ps(out + (j0 - begin),
+                      int8_scores_of_sums(_mm512_load_si512(out + (j0 - begin)), offset, _mm512_maskz_loadu_ps(valid, key_scales + j0), scale));
     }
   }
 }
@@ -1568,7 +1571,7 @@ VNNI_TARGET void int8_scale_sums(const Int8Rows& q, int64_t h, int64_t first, in
 template <int D>
 AMX_INT8_TARGET void amx_int8_scores(const Int8Rows& q, int64_t h, int64_t first, int64_t from, int64_t count,
                                      const int64_t* positions, int64_t begin, int64_t end, const uint8_t* keys,
-                                     const int8_t* values, const float* key_scales, float* scores) {
+                                     const int8_t* values, float* scores) {
   static_assert(D == 32 || D == 64 || D == 128, "one or two A tiles of up to 64 dimensions hold a row's codes");
   constexpr int P = (D + 63) / 64, W = D / P;  // A tiles a row takes, dimensions each
   const int64_t stop = std::min(end, positions[count - 1] + 1);  // keys any row sees (position order)
@@ -1751,13 +1754,13 @@ VNNI_TARGET void int8_chunk_partials(const Int8Rows& q, int64_t h, int64_t first
   int64_t whole = count;  // the rows from which every row sees the whole chunk, in fours (tiles only)
   if constexpr (D == 32 || D == 64 || D == 128) {
     if (count - active >= kAmxInt8Rows && q.tiles) {
-      amx_int8_scores<D>(q, h, first, active, count, positions, begin, end, keys, values, key_scales, scores);
+      amx_int8_scores<D>(q, h, first, active, count, positions, begin, end, keys, values, scores);
       if (end - begin == kChunk) {
         whole = active;
         while (whole < count && positions[whole] < end - 1) ++whole;
         whole += (count - whole) % 4;  // the rows left over go one by one
       }
-      int8_scale_sums<D>(q, h, first, active, whole, positions, key_scales, begin, end, scores);
+      int8_scale_sums(q, h, first, active, whole, positions, key_scales, begin, end, scores);
       on_tiles = true;
     }
   }
