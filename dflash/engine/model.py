@@ -287,7 +287,9 @@ def has_bf16_hardware() -> bool:
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        if (rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16)
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            # Where gradients flow (drafter training) no row needs the bits of a decode row: one GEMM.
             return F.linear(x, self.weight, self.bias)
         if not half_linear_rows_invariant():  # AVX512-BF16 without AMX
             # No row count is invariant here anyway: one call (on Zen 4 1.4-3.5x faster than 16-row

@@ -1,19 +1,26 @@
-"""A drafter trained at scale in one sitting on an accelerator (or, slowly, on the CPU).
+"""A drafter trained at scale: in one sitting on an accelerator, or over resumable sittings on a
+CPU with bf16 hardware.
 
 `train-drafter` (train_drafter.py) writes one shard per reply and trains one sample a step: right
-for a 2-core CPU, where a day makes ~300K reply tokens. Here everything stays in the device's
-memory and runs in batches, in three timed stages:
+for a 2-core CPU without bf16 hardware, where a day makes ~300K reply tokens. Here the data sits in
+the device's memory and everything runs in batches, in three timed stages:
 
 1. User turns. Besides the rendered prompt pool (prompt_pool.py, made by `prepare` on a machine
    with the tokenizer), the target writes user turns itself: it samples after the chat template's
    `<|im_start|>user\n`, the way it would continue a conversation. These are the chat most like
    what the target has seen, in numbers no word list reaches.
 2. Replies. The target answers every prompt greedily in batches (batched_replies.batched_greedy),
-   its hidden rows at the drafter's layers kept in one preallocated device buffer.
+   its hidden rows at the drafter's target layers kept in one preallocated buffer.
 3. Training. Each step draws `sequences` replies, `anchors` blocks in each, and trains them all in
    one forward (`batched_training_forward`: the objective of train_drafter.training_forward, with
-   a batch dimension); the learning rate follows a cosine over the stage's time, not a step count,
-   since the stage ends at a deadline.
+   a batch dimension); the learning rate follows a cosine over the training's time (or steps),
+   not a step count, since a sitting ends at a deadline.
+
+Sittings: the sampled turns and each batch of replies are written under `OUT/data` as they are
+made, and the training state (drafter, optimizer, step, seconds trained, random state) to
+`OUT/checkpoint.pt` every `--checkpoint-every` seconds and at the end. A later sitting with
+`--resume` reads them back, answers the batches not yet answered, and trains on from the same
+point: two sittings make the drafter one would, bit for bit (tests/model/test_at_scale.py).
 
 `prepare` runs where the tokenizer is (it renders prompts); `run` needs only torch, numpy, the
 `gguf` package and the GGUF file, so it can run on a machine that has nothing else of ours.
@@ -25,6 +32,7 @@ import argparse
 import json
 import lzma
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -42,6 +50,7 @@ from dflash.training.objective import (
     slot_weights,
     warmup_cosine,
 )
+from dflash.training.draft_vocab import FILE_NAME as VOCAB_FILE
 from dflash.training.train_drafter import draft_config
 
 # prompt_pool.KINDS, then this run's own two (not imported: `run` must not need the chat package's
@@ -129,6 +138,34 @@ class ReplyStore:
         self.used += n
         return True
 
+    def save(self, path: Path, first: int) -> None:
+        """The replies from index `first` on, in one file (written whole, then renamed: a sitting
+        killed mid-write leaves no half file)."""
+        at, end = self.starts[first] if first < len(self.starts) else self.used, self.used
+        # Copies: a slice is a view, and torch.save writes a view's whole storage (the store).
+        part = {"tokens": self.tokens[at:end].to(torch.int32).cpu(), "rows": self.rows[at:end].cpu().clone(),
+                "lengths": self.lengths[first:], "reply_starts": self.reply_starts[first:],
+                "kinds": self.kinds[first:]}
+        partial = path.with_suffix(".partial")
+        torch.save(part, partial)
+        partial.rename(path)
+
+    def load(self, path: Path) -> bool:
+        """Append a file `save` wrote; False where the store has no room for it."""
+        part = torch.load(path, weights_only=True)
+        n = part["tokens"].shape[0]
+        if self.used + n > self.tokens.shape[0]:
+            return False
+        self.tokens[self.used : self.used + n] = part["tokens"].to(torch.long)
+        self.rows[self.used : self.used + n] = part["rows"]
+        for length, reply_start, kind in zip(part["lengths"], part["reply_starts"], part["kinds"]):
+            self.starts.append(self.used)
+            self.lengths.append(length)
+            self.reply_starts.append(reply_start)
+            self.kinds.append(kind)
+            self.used += length
+        return True
+
     @property
     def full(self) -> float:
         return self.used / self.tokens.shape[0]
@@ -170,40 +207,74 @@ def sampled_user_turns(model, meta: dict, count: int, batch: int, max_tokens: in
     return prompts
 
 
-def generate_replies(model, store: ReplyStore, prompts: Sequence[Sequence[int]], kinds: Sequence[int],
-                     layer_ids: Sequence[int], eos_ids: set[int], tokens: int, batch: int, deadline: float,
-                     log) -> int:
-    """Greedy replies into `store`, batches of similar length; stops at the deadline or when full."""
-    from dflash.training.batched_replies import batched_greedy
-
+def reply_batches(prompts: Sequence[Sequence[int]], batch: int) -> list[list[int]]:
+    """The pool's prompts in batches of similar length, in a fixed shuffled order: any prefix of
+    the batches mixes lengths and kinds, and a later sitting finds batch k where an earlier left it."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[k : k + batch] for k in range(0, len(order), batch)]
-    random.Random(0).shuffle(batches)  # any prefix of the batches mixes lengths and kinds
+    random.Random(0).shuffle(batches)
+    return batches
+
+
+def batch_file(data: Path, number: int) -> Path:
+    return data / f"replies-{number:05d}.pt"
+
+
+def load_replies(store: ReplyStore, data: Path, count: int, log) -> int:
+    """The batches earlier sittings wrote (0, 1, ... up to the first missing), into `store`."""
+    loaded = 0
+    while loaded < count and batch_file(data, loaded).exists():
+        if not store.load(batch_file(data, loaded)):
+            log(f"the store is full after {loaded} saved batches: raise --store-tokens to train on all of them")
+            break
+        loaded += 1
+    return loaded
+
+
+def generate_replies(model, store: ReplyStore, prompts: Sequence[Sequence[int]], kinds: Sequence[int],
+                     layer_ids: Sequence[int], eos_ids: set[int], tokens: int, batch: int, deadline: float,
+                     log, data: Path | None = None, first_batch: int = 0) -> int:
+    """Greedy replies into `store`, batches of similar length from `first_batch` on; stops at the
+    deadline or when full. With `data`, each batch's replies go to a file as soon as it ends."""
+    from dflash.training.batched_replies import batched_greedy
+
+    batches = reply_batches(prompts, batch)
     done = 0
-    for number, members in enumerate(batches):
+    for number in range(first_batch, len(batches)):
         if time.perf_counter() > deadline or store.full > 0.97:
             break
-        started = time.perf_counter()
+        members, first, started = batches[number], len(store.starts), time.perf_counter()
         replies = batched_greedy(model, [prompts[i] for i in members], tokens, eos_ids, layer_ids, rows_to_cpu=False)
         for i, (output, rows) in zip(members, replies):
             if len(output) >= 2 and store.add(list(prompts[i]) + output[:-1], len(prompts[i]), rows, kinds[i]):
                 done += 1
-        log(f"replies batch {number + 1}/{len(batches)}: {len(members)} prompts, "
-            f"{time.perf_counter() - started:.1f} s, store {store.full:.0%}")
+        if data is not None:
+            store.save(batch_file(data, number), first)
+        seconds = time.perf_counter() - started
+        made = sum(store.lengths[k] - store.reply_starts[k] + 1 for k in range(first, len(store.starts)))
+        log(f"replies batch {number + 1}/{len(batches)}: {len(members)} prompts, {made} reply tokens, "
+            f"{seconds:.1f} s ({made / seconds:.0f} tok/s), store {store.full:.0%}")
     return done
 
 
 # -- training batches (the objective itself: objective.py) -------------------------------------
 
-def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, block: int, generator: torch.Generator
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(rows, tokens, lengths, anchors [S, N], labels [S, N, B-1]) of the stored replies `indices`;
-    up to `anchors` distinct anchors per reply at its reply positions, -1 labels where none."""
+# Sequences of a step are padded to a multiple of this. Few distinct shapes matter on the CPU:
+# oneDNN keeps a primitive (with memory of its own) for every matmul shape it meets, so a length per
+# step grew a 2-core AMX run by ~0.1 GB a step until it was killed for memory at step ~115.
+LENGTH_BUCKET = 128
+
+
+def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, block: int, generator: torch.Generator,
+                   bucket: int = LENGTH_BUCKET) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(rows, tokens, lengths, anchors [S, N], labels [S, N, B-1]) of the stored replies `indices`,
+    padded to a multiple of `bucket` positions; up to `anchors` distinct anchors per reply at its
+    reply positions, -1 labels where none."""
     device = store.tokens.device
     starts = torch.tensor([store.starts[i] for i in indices], device=device)
     lengths = torch.tensor([store.lengths[i] for i in indices], device=device)
     firsts = torch.tensor([store.reply_starts[i] for i in indices], device=device)
-    L = int(lengths.max())
+    L = -(-int(lengths.max()) // bucket) * bucket
     span = torch.arange(L, device=device)
     inside = span[None] < lengths[:, None]
     flat = (starts[:, None] + span[None]).where(inside, starts[:, None])
@@ -233,7 +304,7 @@ def held_out_acceptance(draft, embed, lm_head_weight, store: ReplyStore, indices
     for k in range(0, len(indices), 16):
         chunk = list(indices[k : k + 16])
         rows, tokens, lengths, chosen, labels = training_batch(store, chunk, anchors, block, generator)
-        with torch.autocast(rows.device.type, dtype=torch.bfloat16, enabled=rows.device.type == "cuda"):
+        with torch.autocast(rows.device.type, dtype=torch.bfloat16, enabled=half_autocast(rows.device)):
             out = batched_training_forward(draft, embed, rows, tokens, lengths, chosen, block, mask_token)
         logits = F.linear(out.to(lm_head_weight.dtype), lm_head_weight).float()
         for s, index in enumerate(chunk):
@@ -257,26 +328,66 @@ def guarded(log, stage: str, function, fallback):
         return fallback
 
 
+def resident_gib() -> float:
+    """This process's resident memory (Linux; 0 elsewhere): a CPU run holds its data in RAM."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**30
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def half_autocast(device: torch.device) -> bool:
+    """Whether training runs under bf16 autocast: on an accelerator, and on CPUs with bf16
+    hardware (AMX, AVX512-BF16), where a bf16 GEMM is ~4x an fp32 one; not where bf16 is emulated."""
+    from dflash.engine.model import has_bf16_hardware
+
+    return device.type == "cuda" or (device.type == "cpu" and has_bf16_hardware())
+
+
+def save_checkpoint(path: Path, draft, optimizer, progress: dict, generator: torch.Generator) -> None:
+    """What a later sitting needs to go on training exactly where this one stopped."""
+    state = {"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "progress": progress,
+             "generator": generator.get_state()}
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    partial.rename(path)
+
+
 def train_stage(draft, embed, head: Tensor, store: ReplyStore, train_indices: Sequence[int], held: Sequence[int],
                 args: argparse.Namespace, mask_token: int, stage_start: float, stage_seconds: float, progress: dict,
-                log) -> None:
-    """Steps of `args.sequences` replies until the stage's time (or `args.steps`) is spent; the
-    learning rate warms up, then follows a cosine over the stage's time."""
+                log, checkpoint: Path | None = None, resumed: dict | None = None) -> None:
+    """Steps of `args.sequences` replies until the sitting's stage time (or `args.steps` steps, or
+    `args.train_seconds` of training over all sittings) is spent; the learning rate warms up, then
+    follows a cosine over the training time (`args.train_seconds`, or this stage's time). With a
+    `checkpoint` path the state is saved there every `args.checkpoint_every` seconds and at the end;
+    `resumed` is a saved state to go on from."""
     device = store.tokens.device
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.learning_rate, weight_decay=0.0,
                                   fused=device.type == "cuda")
     weights = slot_weights(args.block_size, args.gamma)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    next_eval = args.eval_every
-    while (elapsed := time.perf_counter() - stage_start) < stage_seconds and (
-            not args.steps or progress["step"] < args.steps):
-        done = elapsed / stage_seconds if not args.steps else progress["step"] / args.steps
+    if resumed is not None:
+        optimizer.load_state_dict(resumed["optimizer"])
+        generator.set_state(resumed["generator"])
+    half = half_autocast(device)
+    trained_before = progress["trained_seconds"]
+    schedule = args.train_seconds or (trained_before + stage_seconds)
+    next_eval = trained_before + args.eval_every
+    next_save = args.checkpoint_every
+
+    def trained() -> float:
+        return trained_before + time.perf_counter() - stage_start
+
+    last_step = progress["step"] + args.sitting_steps if args.sitting_steps else None
+    while (time.perf_counter() - stage_start) < stage_seconds and trained() < schedule and (
+            not args.steps or progress["step"] < args.steps) and (not last_step or progress["step"] < last_step):
+        done = trained() / schedule if not args.steps else progress["step"] / args.steps
         for group in optimizer.param_groups:
             group["lr"] = warmup_cosine(args.learning_rate, done, args.warmup)
         picks = torch.randint(len(train_indices), (args.sequences,), generator=generator, device=device).tolist()
         rows, tokens, lengths, anchors, labels = training_batch(store, [train_indices[i] for i in picks], args.anchors,
                                                                 args.block_size, generator)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
             out = batched_training_forward(draft, embed, rows, tokens, lengths, anchors, args.block_size, mask_token)
             loss = slot_loss(out, labels, head, weights)
         optimizer.zero_grad(set_to_none=True)
@@ -284,19 +395,28 @@ def train_stage(draft, embed, head: Tensor, store: ReplyStore, train_indices: Se
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         optimizer.step()
         progress["step"] += 1
-        if progress["step"] % 50 == 0 or progress["step"] == 1:
+        progress["trained_seconds"] = round(trained(), 1)
+        if progress["step"] % 10 == 0 or progress["step"] == 1:
             progress["losses"].append((progress["step"], round(float(loss.detach()), 4)))
-        if elapsed > next_eval:
+            log(f"step {progress['step']}: loss {float(loss.detach()):.4f}, {progress['trained_seconds']:.0f} s trained, "
+                f"{resident_gib():.1f} GiB resident")
+        if trained() > next_eval:
             next_eval += args.eval_every
             draft.eval()
             estimate = held_out_acceptance(draft, embed, head, store, held, args.block_size, mask_token)
             draft.train()
-            progress["curve"].append({"step": progress["step"], "seconds": round(elapsed, 1),
+            progress["curve"].append({"step": progress["step"], "seconds": round(trained(), 1),
                                       "loss": round(float(loss.detach()), 4), **estimate})
             log(json.dumps(progress["curve"][-1]))
+        if checkpoint is not None and time.perf_counter() - stage_start > next_save:
+            next_save += args.checkpoint_every
+            save_checkpoint(checkpoint, draft, optimizer, progress, generator)
+    if checkpoint is not None:
+        save_checkpoint(checkpoint, draft, optimizer, progress, generator)
 
 
 def run(args: argparse.Namespace) -> dict:
+    from dflash.engine.cpu import cpu_kind
     from dflash.engine.gguf_tensors import read_gguf_state
     from dflash.engine.model import ModelArgs, build_transformer
 
@@ -319,7 +439,7 @@ def run(args: argparse.Namespace) -> dict:
     del state
     target.requires_grad_(False)
     prompts, kinds, meta = read_prompts(Path(args.prompts))
-    log(f"target on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}); "
+    log(f"target on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else cpu_kind()}); "
         f"{len(prompts)} rendered prompts")
     a = target.args
     layer_ids = tuple(int(i) for i in args.target_layer_ids.split(","))
@@ -327,7 +447,38 @@ def run(args: argparse.Namespace) -> dict:
     eos_ids = set(meta["eos_ids"])
 
     dconfig = draft_config(a, args.layers, args.block_size, layer_ids, mask_token)
-    if args.init_from:
+    data, checkpoint = out / "data", out / "checkpoint.pt"
+    # What the saved data depends on: a later sitting must ask for the same, or its batches would
+    # not be the ones on disk.
+    recipe = {"prompts": Path(args.prompts).name, "prompts_bytes": Path(args.prompts).stat().st_size,
+              "seed": args.seed, "batch": args.batch, "tokens": args.tokens, "target_layer_ids": list(layer_ids),
+              "sampled_prompts": args.sampled_prompts, "user_tokens": args.user_tokens,
+              "prompt_limit": args.prompt_limit}
+    if (data / "recipe.json").exists() or checkpoint.exists():
+        if not args.resume:
+            raise SystemExit(f"{out} holds an earlier sitting's data or checkpoint: pass --resume to go on "
+                             "with it, or another --out")
+        saved = json.loads((data / "recipe.json").read_text()) if (data / "recipe.json").exists() else recipe
+        if saved != recipe:
+            changed = sorted(k for k in recipe if saved.get(k) != recipe[k])
+            raise SystemExit(f"--resume: {out} was made with " + ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
+                             + "; this sitting asks for " + ", ".join(f"{k}={recipe[k]!r}" for k in changed))
+    data.mkdir(exist_ok=True)
+    (data / "recipe.json").write_text(json.dumps(recipe, indent=2))
+
+    resumed = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
+    draft_source = args.init_from
+    if resumed is not None:
+        draft_source = resumed["progress"]["init_from"]
+        draft = random_draft_model(dconfig, seed=args.seed, dtype=torch.float32)
+        if draft.state_dict().keys() != resumed["draft"].keys() or any(
+                draft.state_dict()[k].shape != v.shape for k, v in resumed["draft"].items()):
+            raise SystemExit(f"--resume: {checkpoint} holds a drafter of another shape than --layers "
+                             f"{args.layers}, --block-size {args.block_size}")
+        draft.load_state_dict(resumed["draft"])
+        log(f"training goes on from {checkpoint}: step {resumed['progress']['step']}, "
+            f"{resumed['progress']['trained_seconds']:.0f} s trained")
+    elif args.init_from:
         # Continue a drafter (the shipped one's curve was still rising when its run ended): its
         # shape must be the one asked for, since the data's rows are of these layers. Checked
         # before any data is made.
@@ -339,55 +490,78 @@ def run(args: argparse.Namespace) -> dict:
     else:
         draft = random_draft_model(dconfig, seed=args.seed, dtype=torch.float32)
 
-    # 1. sampled user turns
-    stage_end = began + args.seconds * args.user_share
-    sampled = guarded(log, "user turns", lambda: sampled_user_turns(
-        target, meta, args.sampled_prompts, args.batch, args.user_tokens, args.seed, stage_end), [])
-    log(f"sampled user turns: {len(sampled)}")
+    # 1. sampled user turns (once: a later sitting reads them back, so its pool is this one's)
+    sampled_file = data / "sampled-turns.json"
+    if sampled_file.exists():
+        sampled = json.loads(sampled_file.read_text())
+        log(f"sampled user turns: {len(sampled)}, from {sampled_file}")
+    else:
+        stage_end = began + args.seconds * args.user_share
+        sampled = guarded(log, "user turns", lambda: sampled_user_turns(
+            target, meta, args.sampled_prompts, args.batch, args.user_tokens, args.seed, stage_end), [])
+        sampled_file.write_text(json.dumps(sampled))
+        log(f"sampled user turns: {len(sampled)}")
     rng = random.Random(args.seed)
     pool = list(zip(prompts, kinds)) + [(p, KINDS.index("sampled chat")) for p in sampled]
     rng.shuffle(pool)
     if args.prompt_limit:
         pool = pool[: args.prompt_limit]
 
-    # 2. replies
+    # 2. replies: earlier sittings' batches from disk, then new ones within this sitting's share
     width = len(layer_ids) * a.hidden_size
     store = ReplyStore(args.store_tokens, width, device)
+    batches = len(reply_batches([p for p, _ in pool], args.batch))
+    saved = load_replies(store, data, batches, log)
+    if saved:
+        log(f"replies: {saved} batches ({len(store.starts)} replies) from {data}")
     stage_end = began + args.seconds * (args.user_share + args.reply_share)
     answered = guarded(log, "replies", lambda: generate_replies(
         target, store, [p for p, _ in pool], [k for _, k in pool], layer_ids, eos_ids, args.tokens, args.batch,
-        stage_end, log), 0)
+        stage_end, log, data if args.save_data else None, saved), 0)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the decode batches' K/V go back before training allocates
     indices = list(range(len(store.starts)))
-    # Held out evenly across the store: it fills batch by batch, each of prompts of one length.
-    held = indices[:: max(1, len(indices) // max(args.held_out, 1))][: args.held_out]
+    if resumed is not None:
+        held = [i for i in resumed["progress"]["held"] if i < len(indices)]  # trained on by none of the sittings
+    else:
+        # Held out evenly across the store: it fills batch by batch, each of prompts of one length.
+        held = indices[:: max(1, len(indices) // max(args.held_out, 1))][: args.held_out]
     train_indices = sorted(set(indices) - set(held)) or indices
     tally = {KINDS[k]: sum(1 for i in indices if store.kinds[i] == k) for k in range(len(KINDS))}
-    log(f"replies: {answered} answered, {store.reply_tokens()} reply tokens, {store.used} tokens in all; "
-        f"per kind {tally}")
+    log(f"replies: {answered} answered in this sitting, {store.reply_tokens()} reply tokens, {store.used} tokens "
+        f"in all; per kind {tally}")
 
     # 3. training
     draft = draft.to(device).train()
     head = target.lm_head.weight
     stage_start = time.perf_counter()
     stage_seconds = max(began + args.seconds - args.save_seconds - stage_start, 1.0)
-    progress = {"step": 0, "losses": [], "curve": []}
+    progress = (resumed["progress"] if resumed is not None else
+                {"step": 0, "trained_seconds": 0.0, "losses": [], "curve": [], "held": held,
+                 "init_from": draft_source, "sittings": []})
+    progress["sittings"].append({"replies": len(indices), "reply_tokens": store.reply_tokens(),
+                                 "from_step": progress["step"]})
     guarded(log, "training", lambda: train_stage(draft, target.embed, head, store, train_indices, held, args,
-                                                  mask_token, stage_start, stage_seconds, progress, log), None)
+                                                  mask_token, stage_start, stage_seconds, progress, log,
+                                                  checkpoint, resumed), None)
     draft.eval()
     final = held_out_acceptance(draft, target.embed, head, store, held, args.block_size, mask_token)
     step, losses, curve = progress["step"], progress["losses"], progress["curve"]
-    curve.append({"step": step, "seconds": round(time.perf_counter() - stage_start, 1),
+    curve.append({"step": step, "seconds": progress["trained_seconds"],
                   "loss": losses[-1][1] if losses else None, **final})
     log(f"trained {step} steps: held-out τ {final}")
     save_dflash_checkpoint(draft.to(torch.bfloat16).cpu(), out / "drafter")
+    if draft_source and (Path(draft_source) / VOCAB_FILE).exists():
+        # A drafter continued keeps the vocabulary it proposes from (counted from text, not trained).
+        shutil.copyfile(Path(draft_source) / VOCAB_FILE, out / "drafter" / VOCAB_FILE)
     summary = {
-        "recipe": "at_scale", "device": (torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
+        "recipe": "at_scale", "device": (torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({cpu_kind()})"),
+        "autocast_bf16": half_autocast(device), "sittings": progress["sittings"],
+        "trained_seconds": progress["trained_seconds"],
         "seconds": round(time.perf_counter() - began, 1), "training_seconds": round(time.perf_counter() - stage_start, 1),
         "steps": step, "sequences_per_step": args.sequences, "anchors": args.anchors, "layers": args.layers,
         "block_size": args.block_size, "learning_rate": args.learning_rate, "gamma": args.gamma,
-        "init_from": args.init_from,
+        "init_from": draft_source,
         "target_layer_ids": list(layer_ids), "mask_token_id": mask_token, "target_dtype": "bfloat16 (from the GGUF)",
         "prompts_rendered": len(prompts), "sampled_user_turns": len(sampled), "replies": len(indices),
         "replies_per_kind": tally, "reply_tokens": store.reply_tokens(), "stored_tokens": store.used,
@@ -432,8 +606,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--learning-rate", type=float, default=6e-4)
     r.add_argument("--warmup", type=float, default=0.04)
     r.add_argument("--gamma", type=float, default=4.0)
-    r.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: at the deadline)")
+    r.add_argument("--steps", type=int, default=0,
+                   help="train this many steps over all sittings, the learning rate's cosine over them (0: by time)")
+    r.add_argument("--sitting-steps", type=int, default=0, help="end this sitting's training after this many steps")
     r.add_argument("--eval-every", type=float, default=60.0, help="seconds of training between held-out τ")
+    r.add_argument("--train-seconds", type=float, default=0.0,
+                   help="the learning rate's cosine over this much training, summed over sittings (0: this sitting's)")
+    r.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between saved training states")
+    r.add_argument("--save-data", action=argparse.BooleanOptionalAction, default=True,
+                   help="write each batch of replies under OUT/data (a later sitting trains on them; "
+                        "4.6 KB a token for the embedded model)")
+    r.add_argument("--resume", action="store_true",
+                   help="go on with --out's saved replies and training state (an earlier sitting's)")
     r.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "prepare":

@@ -25,6 +25,13 @@ from torch import Tensor
 from dflash.engine.model import Linear, apply_rope, rope_tables
 
 
+def dense(linear, x: Tensor) -> Tensor:
+    """One GEMM over all the batch's rows. The engine's Linear splits bf16 rows into blocks of a
+    few on CPUs with AMX, so that a row's bits do not depend on its batch (exact speculation); the
+    data needs no such thing, and one GEMM over 256 rows is ~10x faster there."""
+    return F.linear(x, linear.weight, linear.bias)
+
+
 def _check_plain_weights(model) -> None:
     # The quantized linears take 2-D bf16 rows (their kernels); training data comes from the float target.
     for name, module in model.named_modules():
@@ -73,7 +80,7 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
         x = model.embed(new)
         for index, layer in enumerate(model.layers):
             attention = layer.attention
-            qkv = attention.wqkv(layer.attention_norm(x)).view(B, T, H + 2 * KV, D)
+            qkv = dense(attention.wqkv, layer.attention_norm(x)).view(B, T, H + 2 * KV, D)
             q, k, v = qkv[:, :, :H], qkv[:, :, H : H + KV], qkv[:, :, H + KV :]
             if attention.q_norm is not None:
                 q, k = attention.q_norm(q), attention.k_norm(k)
@@ -82,11 +89,12 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new: int, stop_i
             values[index, :, :, start:end] = v.transpose(1, 2)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[index, :, :, :end], values[index, :, :, :end],
                                                  attn_mask=allowed[:, None], enable_gqa=True)
-            x = x + attention.wo(out.transpose(1, 2).reshape(B, T, H * D))
-            x = x + layer.feed_forward(layer.ffn_norm(x))
+            x = x + dense(attention.wo, out.transpose(1, 2).reshape(B, T, H * D))
+            gate, up = dense(layer.feed_forward.w13, layer.ffn_norm(x)).split(a.intermediate_size, dim=-1)
+            x = x + dense(layer.feed_forward.w2, F.silu(gate) * up)
             if index in capture:
                 rows[capture[index], :, start:end] = x
-        return model.lm_head(model.norm(x[:, -1])).float()
+        return dense(model.lm_head, model.norm(x[:, -1])).float()
 
     outputs: list[list[int]] = [[] for _ in range(len(prompts))]
     results: list[tuple[list[int], Tensor] | None] = [None] * len(prompts)

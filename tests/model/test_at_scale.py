@@ -3,6 +3,7 @@ that the at-scale run uses equals transformers' conversion; a small at-scale run
 a drafter the server loads."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -63,8 +64,12 @@ def test_training_batches_anchor_only_reply_positions_with_their_following_token
     assert store.add(list(range(10, 22)), 5, torch.randn(12, 6), kind=1)  # reply from position 5 of 12
     assert store.add(list(range(40, 47)), 4, torch.randn(7, 6), kind=2)
     assert not store.add(list(range(90)), 1, torch.randn(90, 6), kind=0)  # past the buffer: refused, not cut
-    rows, tokens, lengths, anchors, labels = training_batch(store, [0, 1], 8, 4, torch.Generator().manual_seed(0))
+    padded = training_batch(store, [0, 1], 8, 4, torch.Generator().manual_seed(0))
+    assert padded[0].shape == (2, 128, 6) and padded[1].shape == (2, 128)  # a step's shapes: few (LENGTH_BUCKET)
+    rows, tokens, lengths, anchors, labels = training_batch(store, [0, 1], 8, 4, torch.Generator().manual_seed(0),
+                                                            bucket=1)
     assert lengths.tolist() == [12, 7] and rows.shape == (2, 12, 6)
+    assert torch.equal(padded[3], anchors) and torch.equal(padded[4], labels)  # padding adds no anchor
     assert sorted(set(anchors[0].tolist())) == list(range(5, 11))  # every candidate, 5..length-2
     for s in range(2):
         for n, anchor in enumerate(anchors[s].tolist()):
@@ -130,8 +135,78 @@ def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedd
     main(["run", *small, "--out", str(tmp_path / "again"), "--layers", "1", "--init-from", str(out / "drafter")])
     again = json.loads((tmp_path / "again" / "drafter" / "training.json").read_text())
     assert again["init_from"] == str(out / "drafter") and again["steps"] == 2
+    assert not (tmp_path / "again" / "drafter" / "draft_vocab.json").exists()  # the first had none
+    shipped = tmp_path / "shipped"  # one with a draft vocabulary passes it on
+    shutil.copytree(out / "drafter", shipped)
+    (shipped / "draft_vocab.json").write_text('{"ids": [1, 2, 3]}')
+    main(["run", *small, "--out", str(tmp_path / "vocab"), "--layers", "1", "--init-from", str(shipped)])
+    assert (tmp_path / "vocab" / "drafter" / "draft_vocab.json").read_text() == '{"ids": [1, 2, 3]}'
     with pytest.raises(SystemExit, match="num_layers=1.*num_layers=2"):
         main(["run", *small, "--out", str(tmp_path / "wrong"), "--layers", "2", "--init-from", str(out / "drafter")])
+
+
+def test_an_at_scale_run_resumed_over_two_sittings_is_the_run_made_in_one(embedded_gguf, tmp_path):
+    """Replies saved batch by batch and the training state saved at the end of a sitting: a second
+    sitting (--resume) makes the batch the first did not, and trains on to the same drafter, bit for
+    bit, as one sitting would."""
+    from safetensors.torch import load_file
+
+    from dflash.training.at_scale import batch_file, main
+
+    prompts = tmp_path / "prompts.npz.xz"
+    main(["prepare", "--out", str(prompts), "--count", "0"])
+    common = ["--gguf", str(embedded_gguf), "--prompts", str(prompts), "--device", "cpu", "--seconds", "600",
+              "--sampled-prompts", "2", "--user-tokens", "12", "--batch", "4", "--prompt-limit", "12",
+              "--tokens", "10", "--store-tokens", "20000", "--held-out", "2", "--sequences", "3", "--anchors", "6",
+              "--eval-every", "1000", "--layers", "1"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    main(["run", *common, "--out", str(whole), "--steps", "8"])
+    main(["run", *common, "--out", str(split), "--steps", "8", "--sitting-steps", "4"])
+    first = json.loads((split / "drafter" / "training.json").read_text())
+    assert first["steps"] == 4 and (split / "checkpoint.pt").exists()
+    last = batch_file(split / "data", 2)
+    made = torch.load(last, weights_only=True)
+    # A batch's file holds its own rows, not the store they are views of.
+    assert last.stat().st_size < 2 * made["rows"].nbytes + 65536
+    last.unlink()  # as if the first sitting's time had run out before its last batch
+
+    with pytest.raises(SystemExit, match="--resume"):
+        main(["run", *common, "--out", str(split), "--steps", "8"])
+    with pytest.raises(SystemExit, match="tokens=10.*tokens=11"):
+        main(["run", *[a if a != "10" else "11" for a in common], "--out", str(split), "--steps", "8", "--resume"])
+    main(["run", *common, "--out", str(split), "--steps", "8", "--resume"])
+    remade = torch.load(last, weights_only=True)
+    assert torch.equal(remade["tokens"], made["tokens"]) and torch.equal(remade["rows"], made["rows"])
+    summary = json.loads((split / "drafter" / "training.json").read_text())
+    assert summary["steps"] == 8 and [s["from_step"] for s in summary["sittings"]] == [0, 4]
+    assert summary["replies"] == json.loads((whole / "drafter" / "training.json").read_text())["replies"]
+    one, two = load_file(whole / "drafter" / "model.safetensors"), load_file(split / "drafter" / "model.safetensors")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_the_head_cross_entropy_is_autograds_loss_and_gradient():
+    import torch.nn.functional as F
+
+    from dflash.training.objective import slot_loss, slot_weights
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        head = (torch.randn(300, 16, generator=generator) * 0.3).to(dtype)
+        out = torch.randn(3, 11, 7, 16, generator=generator, requires_grad=True)
+        labels = torch.randint(0, 300, (3, 11, 7), generator=generator)
+        labels[:, ::3] = -1  # slots without a label take no part
+        weights = slot_weights(8, 4.0)
+        loss = slot_loss(out, labels, head, weights, chunk=17)  # chunks that split the rows unevenly
+        loss.backward()
+        ours, out.grad = out.grad, None
+        valid = labels >= 0
+        per_slot = F.cross_entropy(F.linear(out[valid].to(dtype), head).float(), labels[valid], reduction="none")
+        weight = weights.expand_as(labels)[valid]
+        reference = (per_slot * weight).sum() / weight.sum()
+        reference.backward()
+        torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours, out.grad, atol=1e-6, rtol=1e-4)
+        assert ours[~valid].abs().max() == 0
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

@@ -19,7 +19,9 @@ if [ -f "$here/last" ]; then
   cat /tmp/keep/model.part-* | python3 -c "import lzma,sys; sys.stdout.buffer.write(lzma.decompress(sys.stdin.buffer.read()))" > /tmp/model.gguf
   ls -la /tmp/model.gguf
   PYTHONUNBUFFERED=1 python3 -m dflash.training.at_scale run --gguf /tmp/model.gguf --prompts /tmp/keep/prompts.npz.xz \
-      --out "$OUT/run" --seconds "$BUDGET" --batch "$BATCH" "$@" 2>&1 | tee "$OUT/run-stdout.log"
+      --out "$OUT/run" --seconds "$BUDGET" --batch "$BATCH" --no-save-data "$@" 2>&1 | tee "$OUT/run-stdout.log"
+  # One sitting here: the training state (drafter and optimizer, ~150 MB) would not come back anyway.
+  rm -f "$OUT/run/checkpoint.pt"
   # Files come back at 16 MiB at most: the checkpoint in parts (cat them back together).
   cd "$OUT/run/drafter" && split -b 15000000 -d model.safetensors model.safetensors.part- && rm model.safetensors
   ls -la "$OUT/run" "$OUT/run/drafter"
