@@ -156,14 +156,10 @@ class ReplyStore:
         n = part["tokens"].shape[0]
         if self.used + n > self.tokens.shape[0]:
             return False
-        self.tokens[self.used : self.used + n] = part["tokens"].to(torch.long)
-        self.rows[self.used : self.used + n] = part["rows"]
+        at = 0
         for length, reply_start, kind in zip(part["lengths"], part["reply_starts"], part["kinds"]):
-            self.starts.append(self.used)
-            self.lengths.append(length)
-            self.reply_starts.append(reply_start)
-            self.kinds.append(kind)
-            self.used += length
+            self.add(part["tokens"][at : at + length].tolist(), reply_start, part["rows"][at : at + length], kind)
+            at += length
         return True
 
     @property

@@ -156,12 +156,15 @@ def test_an_at_scale_run_resumed_over_two_sittings_is_the_run_made_in_one(embedd
     prompts = tmp_path / "prompts.npz.xz"
     main(["prepare", "--out", str(prompts), "--count", "0"])
     common = ["--gguf", str(embedded_gguf), "--prompts", str(prompts), "--device", "cpu", "--seconds", "600",
-              "--sampled-prompts", "2", "--user-tokens", "12", "--batch", "4", "--prompt-limit", "12",
+              "--sampled-prompts", "2", "--user-tokens", "64", "--batch", "4", "--prompt-limit", "12",
               "--tokens", "10", "--store-tokens", "20000", "--held-out", "2", "--sequences", "3", "--anchors", "6",
               "--eval-every", "1000", "--layers", "1"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     main(["run", *common, "--out", str(whole), "--steps", "8"])
     main(["run", *common, "--out", str(split), "--steps", "8", "--sitting-steps", "4"])
+    # Turns long enough to end: sampling stops at its count, not at its stage's deadline (time-dependent).
+    sampled = json.loads((whole / "data" / "sampled-turns.json").read_text())
+    assert len(sampled) == 2 and json.loads((split / "data" / "sampled-turns.json").read_text()) == sampled
     first = json.loads((split / "drafter" / "training.json").read_text())
     assert first["steps"] == 4 and (split / "checkpoint.pt").exists()
     last = batch_file(split / "data", 2)
