@@ -111,6 +111,13 @@ def read_prompts(path: Path) -> tuple[list[list[int]], list[int], dict]:
     return prompts, kinds.tolist(), meta
 
 
+def save_whole(value, path: Path) -> None:
+    """torch.save to a side file, then a rename: a sitting killed mid-write leaves no half file."""
+    partial = path.with_suffix(".partial")
+    torch.save(value, partial)
+    partial.rename(path)
+
+
 # -- the data, resident on the device ------------------------------------------------------------
 
 class ReplyStore:
@@ -139,16 +146,13 @@ class ReplyStore:
         return True
 
     def save(self, path: Path, first: int) -> None:
-        """The replies from index `first` on, in one file (written whole, then renamed: a sitting
-        killed mid-write leaves no half file)."""
+        """The replies from index `first` on, in one file."""
         at, end = self.starts[first] if first < len(self.starts) else self.used, self.used
         # Copies: a slice is a view, and torch.save writes a view's whole storage (the store).
         part = {"tokens": self.tokens[at:end].to(torch.int32).cpu(), "rows": self.rows[at:end].cpu().clone(),
                 "lengths": self.lengths[first:], "reply_starts": self.reply_starts[first:],
                 "kinds": self.kinds[first:]}
-        partial = path.with_suffix(".partial")
-        torch.save(part, partial)
-        partial.rename(path)
+        save_whole(part, path)
 
     def load(self, path: Path) -> bool:
         """Append a file `save` wrote; False where the store has no room for it."""
@@ -344,9 +348,7 @@ def save_checkpoint(path: Path, draft, optimizer, progress: dict, generator: tor
     """What a later sitting needs to go on training exactly where this one stopped."""
     state = {"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "progress": progress,
              "generator": generator.get_state()}
-    partial = path.with_suffix(".partial")
-    torch.save(state, partial)
-    partial.rename(path)
+    save_whole(state, path)
 
 
 def train_stage(draft, embed, head: Tensor, store: ReplyStore, train_indices: Sequence[int], held: Sequence[int],
