@@ -47,7 +47,7 @@ def main() -> None:
         draft = serving_draft(folder, loaded.dtype, loaded.weights)  # int8 linears on a quantized target
         vocabulary = None if args.full_vocabulary else draft_vocabulary(folder)  # as the server proposes
         verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens,
-                                             vocabulary=vocabulary)
+                                             vocabulary=vocabulary, eos_token_ids=loaded.engine.eos_token_ids)
         taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
         mean = sum(taus.values()) / len(taus)
         print(f"| {folder} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |", flush=True)

@@ -390,8 +390,8 @@ def train(loaded, shards: list[Path], out: Path, options: TrainOptions, mask_tok
         if options.eval_every and (step % options.eval_every == 0 or step == options.steps):
             from dflash.training.unseen import unseen_acceptance
 
-            history["unseen"].append({"step": step, **unseen_acceptance(target, loaded.tokenizer, draft,
-                                                                         options.eval_tokens)})
+            history["unseen"].append({"step": step, **unseen_acceptance(
+                target, loaded.tokenizer, draft, options.eval_tokens, eos_token_ids=loaded.engine.eos_token_ids)})
             bar.write(json.dumps(history["unseen"][-1]))
             checkpoint()
         bar.update(1)

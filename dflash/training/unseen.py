@@ -80,10 +80,11 @@ UNSEEN_PROMPTS: dict[str, list[list[dict]]] = {
 }
 
 
-def unseen_acceptance(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048) -> dict[str, float]:
+def unseen_acceptance(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048,
+                      eos_token_ids: Sequence[int] = ()) -> dict[str, float]:
     """Mean τ per prompt type for `draft` (a DFlashDraftModel) on the target; the draft is not changed."""
-    return {kind: acceptance_length(steps) for kind, steps in unseen_verifications(target, tokenizer, draft, tokens,
-                                                                                  max_ctx).items()}
+    verifications = unseen_verifications(target, tokenizer, draft, tokens, max_ctx, eos_token_ids=eos_token_ids)
+    return {kind: acceptance_length(steps) for kind, steps in verifications.items()}
 
 
 def acceptance_length(steps: list[tuple[int, int]]) -> float:
@@ -102,10 +103,16 @@ def slot_hit_rates(steps: list[tuple[int, int]], slots: int) -> list[float | Non
 
 
 def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048,
-                         vocabulary: Sequence[int] | None = None) -> dict[str, list[tuple[int, int]]]:
+                         vocabulary: Sequence[int] | None = None,
+                         eos_token_ids: Sequence[int] = ()) -> dict[str, list[tuple[int, int]]]:
     """Per prompt type, every verification step's (drafts proposed, drafts accepted), decoding each
     prompt greedily with `draft` proposing a full block every step (from `vocabulary`'s ids only,
-    where given: a draft vocabulary); the draft is not changed."""
+    where given: a draft vocabulary); the draft is not changed.
+
+    A reply ends at `tokens` or at one of `eos_token_ids` (the model's end-of-turn tokens), as a
+    server's does. Why: decoded past the end, the model writes a new turn of its own (a system
+    header, a made-up user ask) that no client sees, and the drafter's misses there counted against
+    it (a code edit that ended after 50 tokens spent 12 of its 45 verifications past its end)."""
     from dflash.engine.drafters.dflash import DFlashDrafter
     from dflash.engine.generate import Engine
     from dflash.engine.sampling import SamplingParams
@@ -114,7 +121,8 @@ def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: in
     was_training = draft.training
     draft.eval()
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
-    engine = Engine(target, max_ctx=max_ctx, speculation=config, dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary))
+    engine = Engine(target, max_ctx=max_ctx, speculation=config, eos_token_ids=eos_token_ids,
+                    dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary))
     result: dict[str, list[tuple[int, int]]] = {}
     try:
         with torch.no_grad():

@@ -339,6 +339,28 @@ def test_unseen_verifications_are_every_verification_of_the_run(tiny_target):
         assert totals == [len(steps), sum(p for p, _ in steps), sum(a for _, a in steps)] and totals[0] > 0
 
 
+def test_unseen_verifications_stop_at_the_end_of_turn(tiny_target):
+    """A reply ends at an end-of-turn token, as a server's does: past it the model writes a turn
+    no client sees, and the drafter's misses there must not count."""
+    from dflash.engine.generate import Engine
+    from dflash.engine.sampling import SamplingParams
+    from dflash.engine.drafters.dflash import random_draft_model
+    from dflash.chat.template import render_prompt
+    from dflash.training.train_drafter import draft_config
+    from dflash.training.unseen import UNSEEN_PROMPTS, unseen_verifications
+
+    target = tiny_target.engine.model
+    draft = random_draft_model(draft_config(target.args, 1, 4, (0, 2), choose_mask_token(tiny_target.tokenizer)))
+    plain = Engine(target, max_ctx=2048)
+    reply = plain.start(render_prompt(tiny_target.tokenizer, UNSEEN_PROMPTS["chat"][0]), SamplingParams(), 12)
+    reply.run()
+    # This random target answers every unseen prompt with the same token: as an end token, every
+    # reply ends before its first verification.
+    end = reply.output[0]
+    assert unseen_verifications(target, tiny_target.tokenizer, draft, tokens=12, eos_token_ids=[end]) == {
+        kind: [] for kind in UNSEEN_PROMPTS}
+
+
 @pytest.mark.parametrize("layers", ["1", "0,99"])
 def test_train_drafter_refuses_bad_starting_layers_before_making_data(tiny_target, tmp_path, capsys, layers, cli_main):
     main = cli_main
