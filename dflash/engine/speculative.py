@@ -60,11 +60,7 @@ class _DrafterState:
         self.row_cost = _Ema(0.3)  # each verified draft row's cost, in plain steps
         # The proposal's own cost, in plain steps: fixed per step whatever the block (a DFlash
         # forward), so it is not charged to the rows (which made short blocks look best).
-        # Measured with row_cost, from its first sample: started at 0, the average took several
-        # steps to reach a DFlash forward's ~0.45 steps on int4 (AMX), long enough for a carried
-        # pause to be deferred as if its probes were cheap.
-        self.proposal_cost = _Ema(0.3)
-        self.deferred_pause = 0  # a pause carried from the last generation, served if the first probe fails
+        self.proposal_cost = _Ema(0.3, 0.0)
 
     def acceptance(self) -> float | None:
         return self.matched / self.tried if self.tried >= 4 else None
@@ -99,19 +95,14 @@ class SpeculationMemory:
     verification costs several decode steps (AVX2: 1+7 rows ~4x a step) those probes made auto
     slower than plain on chat. A drafter that did not pay last time starts the next generation
     paused for the rest of its pause, at most CARRIED_PAUSE steps, so one that pays on other text
-    (n-gram on a code edit after chat) loses few steps. A drafter whose probe costs less than
-    SpeculationPolicy.FULL_PAUSE_PROBE_COST probes once first and serves that pause only if the
-    probe fails: the new reply's text may not be the last one's, and the pause carried from chat
-    cost a coding reply 30-64 of its 96 tokens' DFlash steps (bf16 weights on AMX, where a DFlash
-    probe costs ~0.3 plain steps and DFlash alone makes coding 1.8x).
+    (n-gram on a code edit after chat) loses few steps.
     """
 
     CARRIED_PAUSE = 64
 
     def __init__(self, config: SpeculationConfig):
         self.config = config
-        # name -> (block, pause left, pause length, a probe's cost in plain steps or None: unmeasured)
-        self.drafters: dict[str, tuple[int, int, int, float | None]] = {}
+        self.drafters: dict[str, tuple[int, int, int]] = {}  # name -> (block, pause left, pause length)
 
 
 class SpeculationPolicy:
@@ -125,11 +116,6 @@ class SpeculationPolicy:
     MAX_PAUSE_STEPS = 512
     FULL_PAUSE_PROBE_COST = 0.5  # plain steps: a probe this costly or more waits the whole pause
     FIRST_BLOCK = 2
-    # How far above plain a drafter's expected rate must be to keep it speculating through a run of
-    # misses: the estimate takes every draft as likely as the first, which overrates a block's later
-    # drafts on chat, where they are taken ever less often (slot hit rates 0.43, 0.24, 0.26 on the
-    # unseen chat): near 1.0 the measured rate decides, as it did (int4 chat on AMX lost ~3% without this).
-    EXPECTED_MARGIN = 1.15
 
     def __init__(self, config: SpeculationConfig, drafters: dict[str, object], memory: SpeculationMemory | None = None):
         self.config = config
@@ -141,12 +127,8 @@ class SpeculationPolicy:
         self.memory = memory if memory is not None and memory.config == config and config.adaptive else None
         for name, state in self.state.items():
             if self.memory is not None and name in self.memory.drafters:
-                state.block, pause, state.pause_length, probe_cost = self.memory.drafters[name]
-                pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
-                if probe_cost is not None and probe_cost < self.FULL_PAUSE_PROBE_COST:
-                    state.deferred_pause = pause
-                else:
-                    state.pause = pause
+                state.block, pause, state.pause_length = self.memory.drafters[name]
+                state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
         self.plain_seconds = _Ema(0.3)
         self.proposal_seconds = 0.0  # the last step's proposals (choose), the start of what record() is given
         self.catch_up_seconds = 0.0  # of this step's proposals: drafters' contexts catching up
@@ -225,21 +207,13 @@ class SpeculationPolicy:
             # judged on the next steps instead.
             state.tokens_per_second.value = max(state.tokens_per_second.value, plain_rate)
             state.pause, state.pause_length = 0, self.PAUSE_STEPS
-        elif state.tokens_per_second.value < plain_rate and not self._expected_to_pay(state):
-            state.pause = max(self._pause_steps(state), state.deferred_pause)
+        elif state.tokens_per_second.value < plain_rate:
+            state.pause = self._pause_steps(state)
             state.pause_length = min(2 * state.pause_length, self.MAX_PAUSE_STEPS)
             state.tokens_per_second.value = plain_rate  # probe again from neutral after the pause
         else:
             state.pause, state.pause_length = 0, self.PAUSE_STEPS  # it pays (a confident proposal in a pause too)
-        state.deferred_pause = 0  # judged once: from here on its own measurements decide
         self._remember(drafter.name)
-
-    @staticmethod
-    def _probe_cost(state: _DrafterState) -> float | None:
-        """What a probe of its block costs beyond a plain step, in plain steps (None: unmeasured)."""
-        if state.row_cost.value is None:
-            return None
-        return max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * state.block
 
     def _pause_steps(self, state: _DrafterState) -> int:
         """The plain steps before the next probe: pause_length for a probe that costs
@@ -247,24 +221,10 @@ class SpeculationPolicy:
         fewer for a cheaper one. Why: a failed n-gram probe of one draft costs a tenth of a step on
         AMX, and the 16 steps it paused for were the text where the copy resumed (code editing: a
         renamed argument, then 12 plain steps through lines the n-gram drafter had right)."""
-        probe = self._probe_cost(state)
-        if probe is None:
+        if state.row_cost.value is None:
             return state.pause_length
+        probe = max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * state.block
         return max(1, round(state.pause_length * min(1.0, probe / self.FULL_PAUSE_PROBE_COST)))
-
-    def _expected_to_pay(self, state: _DrafterState) -> bool:
-        """Whether its block, at the acceptance and the costs measured over its last steps, is
-        expected to beat plain steps. Why: the measured rate follows the last few steps, and a DFlash
-        drafter's acceptances come in runs (a line it knows, then several blocks rejected at the first
-        draft), so a run of misses paused it where it paid on the whole (where a DFlash proposal and
-        its rows cost ~0.3 plain steps, as with bf16 weights on AMX; the scripted run in
-        tests/unit/test_speculation_policy.py: 1.18x plain with those pauses, 1.34x without); the
-        acceptance counts look ten steps back. Unmeasured: not expected to."""
-        acceptance = state.acceptance()
-        if acceptance is None or state.row_cost.value is None:
-            return False
-        cost = 1.0 + max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * state.block
-        return tokens_per_verification(acceptance, state.block) / cost > self.EXPECTED_MARGIN
 
     def _could_pay(self, state: _DrafterState) -> bool:
         """Whether whole blocks of the longest size, every draft accepted, would beat plain steps at
@@ -278,5 +238,4 @@ class SpeculationPolicy:
     def _remember(self, name: str) -> None:
         if self.memory is not None:
             state = self.state[name]
-            self.memory.drafters[name] = (state.block, max(state.pause, state.deferred_pause), state.pause_length,
-                                          self._probe_cost(state))
+            self.memory.drafters[name] = (state.block, state.pause, state.pause_length)

@@ -124,52 +124,6 @@ def test_a_drafter_that_did_not_pay_starts_the_next_generation_paused():
     assert fresh[0] == 1  # without memory: as before
 
 
-def test_a_drafter_with_cheap_probes_probes_once_before_serving_a_carried_pause():
-    """Where a probe costs less than FULL_PAUSE_PROBE_COST plain steps (a DFlash forward and its row
-    with bf16 weights on AMX: ~0.3), the next reply probes right after its baseline step: its text
-    may pay where the last reply's did not. Only if that probe fails does it serve the pause."""
-    config = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
-    memory = SpeculationMemory(config)
-    cheap = 0.012  # a failed probe of one draft: 1.2 plain steps, 0.2 of them the probe's
-    generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 300, lambda n: 0, cheap)
-    assert memory.drafters["ngram"][1] > SpeculationMemory.CARRIED_PAUSE // 2  # it left paused
-    failing = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 400, lambda n: 0, cheap)
-    assert failing[0] == 1 and failing[1] - failing[0] > SpeculationMemory.CARRIED_PAUSE // 2
-    paying = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 50, lambda n: n, cheap)
-    assert paying == list(range(1, 50))  # probed at once, and on from there
-
-
-def test_a_run_of_misses_does_not_pause_a_drafter_expected_to_pay(monkeypatch):
-    """A DFlash drafter's acceptances come in runs: a line it knows, then blocks rejected at the
-    first draft (coding with bf16 weights on AMX: 4, 0, 0, 0, 3, ...). Its proposal costs 0.2 plain
-    steps and each verified row 0.05; drafts accepted 7, 1, 1, 1, then none three times, pay on the
-    whole (1.34x plain here), so those misses do not pause it: its measured rate alone, following the
-    last few steps, paused it for 66 plain steps over the run (1.18x)."""
-    import dflash.engine.speculative as speculative
-
-    clock = [0.0]
-    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
-
-    class Proposals(ScriptedDrafter):
-        name = "dflash"
-
-        def propose(self, tokens, max_tokens):
-            clock[0] += 0.002
-            return super().propose(tokens, max_tokens)
-
-    policy = SpeculationPolicy(SpeculationConfig(drafter="dflash", max_draft_tokens=7), {"dflash": Proposals()})
-    policy.record_plain(0.010)
-    plain_steps = 0
-    for matched in [7, 1, 1, 1, 0, 0, 0] * 8:
-        chosen, draft = policy.choose([1, 2, 3])
-        while chosen is None:
-            plain_steps += 1
-            policy.record_plain(0.010)
-            chosen, draft = policy.choose([1, 2, 3])
-        policy.record(chosen, len(draft), min(matched, len(draft)), 0.002 + 0.010 * (1 + 0.05 * len(draft)))
-    assert plain_steps == 0
-
-
 def test_a_drafter_that_paid_starts_the_next_generation_with_its_block():
     config = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
     memory = SpeculationMemory(config)
