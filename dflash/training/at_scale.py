@@ -44,8 +44,8 @@ from torch import Tensor
 
 from dflash.engine.drafters.dflash import load_dflash_checkpoint, random_draft_model, save_dflash_checkpoint
 from dflash.training.objective import (
-    acceptance_estimate,
     batched_training_forward,
+    decoded_acceptance,
     slot_loss,
     slot_weights,
     warmup_cosine,
@@ -266,10 +266,10 @@ LENGTH_BUCKET = 128
 
 
 def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, block: int, generator: torch.Generator,
-                   bucket: int = LENGTH_BUCKET) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   bucket: int = LENGTH_BUCKET, from_start: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rows, tokens, lengths, anchors [S, N], labels [S, N, B-1]) of the stored replies `indices`,
     padded to a multiple of `bucket` positions; up to `anchors` distinct anchors per reply at its
-    reply positions, -1 labels where none."""
+    reply positions, drawn at random (or, `from_start`, its first ones), -1 labels where none."""
     device = store.tokens.device
     starts = torch.tensor([store.starts[i] for i in indices], device=device)
     lengths = torch.tensor([store.lengths[i] for i in indices], device=device)
@@ -281,7 +281,10 @@ def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, bloc
     rows, tokens = store.rows[flat], store.tokens[flat]
     # An anchor needs a successor: positions first..length-2.
     candidate = (span[None] >= firsts[:, None]) & (span[None] <= lengths[:, None] - 2)
-    score = torch.rand(len(indices), L, device=device, generator=generator).masked_fill(~candidate, -1.0)
+    if from_start:
+        score = (L - span).float()[None].expand(len(indices), -1).masked_fill(~candidate, -1.0)
+    else:
+        score = torch.rand(len(indices), L, device=device, generator=generator).masked_fill(~candidate, -1.0)
     n = min(anchors, L)
     top, chosen = score.topk(n, dim=1)
     valid = top >= 0
@@ -296,23 +299,28 @@ def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, bloc
 
 @torch.no_grad()
 def held_out_acceptance(draft, embed, lm_head_weight, store: ReplyStore, indices: Sequence[int], block: int,
-                        mask_token: int, anchors: int = 64) -> dict[str, float]:
-    """τ estimated on held-out replies per kind: 1 + the run of correct leading slots per block
-    (the target's greedy reply is the label, so a block that is right is what verification accepts)."""
+                        mask_token: int, anchors: int = 96) -> dict[str, float]:
+    """τ per kind on held-out replies: tokens per verification of a greedy decode with a full block
+    through each reply's first `anchors` positions (objective.decoded_acceptance; the target's
+    greedy reply is the label, so a block that is right is what verification accepts), as
+    bench/unseen_acceptance.py decodes its prompts' first 96 tokens. Before session 31 this was the
+    mean over 64 random anchors, which overrated τ (decoded_acceptance says by how much)."""
     generator = torch.Generator(device=store.tokens.device).manual_seed(1234)
-    by_kind: dict[str, list[float]] = {}
+    by_kind: dict[str, list[int]] = {}
     for k in range(0, len(indices), 16):
         chunk = list(indices[k : k + 16])
-        rows, tokens, lengths, chosen, labels = training_batch(store, chunk, anchors, block, generator)
+        rows, tokens, lengths, chosen, labels = training_batch(store, chunk, anchors, block, generator, from_start=True)
         with torch.autocast(rows.device.type, dtype=torch.bfloat16, enabled=half_autocast(rows.device)):
             out = batched_training_forward(draft, embed, rows, tokens, lengths, chosen, block, mask_token)
         logits = F.linear(out.to(lm_head_weight.dtype), lm_head_weight).float()
         for s, index in enumerate(chunk):
-            valid = labels[s, :, 0] >= 0
+            valid = labels[s, :, 0] >= 0  # the first anchors of the reply, one after another
             if valid.any():
-                estimate = acceptance_estimate(logits[s][valid], labels[s][valid])
-                by_kind.setdefault(KINDS[store.kinds[index]], []).append(estimate)
-    return {kind: round(sum(v) / len(v), 3) for kind, v in sorted(by_kind.items())}
+                committed, verifications = decoded_acceptance(logits[s][valid], labels[s][valid])
+                totals = by_kind.setdefault(KINDS[store.kinds[index]], [0, 0])
+                totals[0] += committed
+                totals[1] += verifications
+    return {kind: round(committed / verifications, 3) for kind, (committed, verifications) in sorted(by_kind.items())}
 
 
 # -- the run -------------------------------------------------------------------------------------
