@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every mode this many times, interleaved, and average (steadier on a shared VM)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="the sets' prompts take turns within each mode's round (chat, coding, chat, ...), "
+                             "as a server's replies may, instead of each set's rounds one after another")
     parser.add_argument("--prompts", default="code editing,chat,coding",
                         help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
                              "tool prompt, from dflash/training/unseen.py)")
@@ -120,28 +123,36 @@ def main() -> None:
     user = lambda prompts: [[{"role": "user", "content": p}] for p in prompts]  # noqa: E731
     sets = {"code editing": ("(a) code editing", user(CODE_EDITING)), "chat": ("(b) chat", user(CHAT)),
             "coding": ("(c) coding", user(CODING)), "tool use": ("(d) tool use", UNSEEN_PROMPTS["tool use"])}
-    for label, conversations in (sets[name] for name in args.prompts.split(",")):
-        ids = [render_prompt(loaded.tokenizer, messages) for messages in conversations]
-        results: dict[str, list] = {mode: [] for mode in modes}
-        order = list(modes)
+    chosen = [sets[name] for name in args.prompts.split(",")]
+    ids = {label: [render_prompt(loaded.tokenizer, messages) for messages in conversations]
+           for label, conversations in chosen}
+    results: dict[str, dict[str, list]] = {label: {mode: [] for mode in modes} for label, _ in chosen}
+    order = list(modes)
+    # Each set's rounds one after another; or (--interleave) the sets' prompts taking turns within
+    # each mode's round: chat, coding, chat, coding... as a server's replies may, so that what one
+    # reply's policy learned (SpeculationMemory) meets the next reply's other text.
+    for labels in ([[label for label, _ in chosen]] if args.interleave else [[label] for label, _ in chosen]):
         for round_ in range(args.rounds):  # modes interleaved: a shared machine's load changes over minutes
             # Each round starts one mode later, so that no mode always runs right after the same
             # one (auto ran after the fixed-block DFlash mode, the heaviest, in every round).
             for mode in order[round_ % len(order):] + order[: round_ % len(order)]:
                 config, mode_drafter = modes[mode]
                 engine.speculation, engine.dflash_drafter = config, mode_drafter
-                for prompt_ids in ids:
-                    engine.rollback(0)
-                    results[mode].append(run(engine, prompt_ids, args.tokens))
-        baseline_rate, baseline_out = None, None
-        for mode, runs in results.items():
-            outputs = [r[0] for r in runs]
-            rate = statistics.mean(r[1] for r in runs)
-            tau = statistics.mean(r[2] for r in runs)
-            if baseline_rate is None:
-                baseline_rate, baseline_out = rate, outputs
-            same = "yes" if outputs == baseline_out else "NO"
-            print(f"| {label} | {mode} | {rate:.1f} | {tau:.2f} | {rate / baseline_rate:.2f}x | {same} |")
+                for i in range(max(len(ids[label]) for label in labels)):
+                    for label in labels:
+                        if i < len(ids[label]):
+                            engine.rollback(0)
+                            results[label][mode].append(run(engine, ids[label][i], args.tokens))
+        for label in labels:  # each set's rows as soon as they are measured
+            baseline_rate, baseline_out = None, None
+            for mode, runs in results[label].items():
+                outputs = [r[0] for r in runs]
+                rate = statistics.mean(r[1] for r in runs)
+                tau = statistics.mean(r[2] for r in runs)
+                if baseline_rate is None:
+                    baseline_rate, baseline_out = rate, outputs
+                same = "yes" if outputs == baseline_out else "NO"
+                print(f"| {label} | {mode} | {rate:.1f} | {tau:.2f} | {rate / baseline_rate:.2f}x | {same} |", flush=True)
     engine.speculation, engine.dflash_drafter = attrs.evolve(SpeculationConfig()), None
 
 
