@@ -24,11 +24,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from dflash.chat.template import render_prompt  # noqa: E402
 from dflash.engine.cpu import cpu_kind  # noqa: E402
-from dflash.engine.drafters.dflash import DFlashDrafter, load_dflash_checkpoint  # noqa: E402
-from dflash.engine.generate import Engine  # noqa: E402
+from dflash.engine.drafters.dflash import load_dflash_checkpoint  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, load_model  # noqa: E402
 from dflash.engine.sampling import SamplingParams  # noqa: E402
-from dflash.engine.speculative import SpeculationConfig  # noqa: E402
 from dflash.training.batched_replies import batched_greedy  # noqa: E402
 from dflash.training.objective import (  # noqa: E402
     acceptance_estimate,
@@ -36,7 +34,7 @@ from dflash.training.objective import (  # noqa: E402
     decoded_acceptance,
 )
 from dflash.training.prompt_pool import KINDS, scaled_conversations  # noqa: E402
-from dflash.training.unseen import UNSEEN_PROMPTS  # noqa: E402
+from dflash.training.unseen import UNSEEN_PROMPTS, full_block_engine  # noqa: E402
 
 
 def teacher_forced_tau(draft, target, tokens: list[int], rows: torch.Tensor, first: int) -> tuple[float, float]:
@@ -85,9 +83,7 @@ def main() -> None:
     draft = load_dflash_checkpoint(args.drafter, torch.bfloat16)
     layers = draft.config.target_layer_ids
     eos = set(loaded.engine.eos_token_ids)
-    drafter = DFlashDrafter(draft, target, 2048)
-    config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
-    engine = Engine(target, max_ctx=2048, eos_token_ids=eos, speculation=config, dflash_drafter=drafter)
+    engine = full_block_engine(target, draft, eos_token_ids=eos)
     print(f"\ncpu={cpu_kind()} model={args.model} weights=bf16 drafter={args.drafter} kind={args.kind} "
           f"source={args.source} tokens={args.tokens}")
     print("| prompt | prompt rows cos (min) | replies agree for | τ estimate, data path (every anchor / walked) "
@@ -100,7 +96,7 @@ def main() -> None:
         generation = engine.start(prompt, SamplingParams(), args.tokens)
         generation.run()
         reply, stats = list(generation.output), generation.stats
-        engine_rows = drafter.context_rows()
+        engine_rows = engine.dflash_drafter.context_rows()
         generation.close()
         decoded = (stats.accepted_tokens + stats.verification_steps) / max(stats.verification_steps, 1)
         cos = F.cosine_similarity(data_rows[: len(prompt)].float(), engine_rows[: len(prompt)].float(), dim=-1)

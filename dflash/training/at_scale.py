@@ -265,11 +265,13 @@ def generate_replies(model, store: ReplyStore, prompts: Sequence[Sequence[int]],
 LENGTH_BUCKET = 128
 
 
-def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, block: int, generator: torch.Generator,
-                   bucket: int = LENGTH_BUCKET, from_start: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, block: int,
+                   generator: torch.Generator | None, bucket: int = LENGTH_BUCKET
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rows, tokens, lengths, anchors [S, N], labels [S, N, B-1]) of the stored replies `indices`,
     padded to a multiple of `bucket` positions; up to `anchors` distinct anchors per reply at its
-    reply positions, drawn at random (or, `from_start`, its first ones), -1 labels where none."""
+    reply positions, drawn at random with `generator` (None: its first ones, one after another),
+    -1 labels where none."""
     device = store.tokens.device
     starts = torch.tensor([store.starts[i] for i in indices], device=device)
     lengths = torch.tensor([store.lengths[i] for i in indices], device=device)
@@ -281,7 +283,7 @@ def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, bloc
     rows, tokens = store.rows[flat], store.tokens[flat]
     # An anchor needs a successor: positions first..length-2.
     candidate = (span[None] >= firsts[:, None]) & (span[None] <= lengths[:, None] - 2)
-    if from_start:
+    if generator is None:
         score = (L - span).float()[None].expand(len(indices), -1).masked_fill(~candidate, -1.0)
     else:
         score = torch.rand(len(indices), L, device=device, generator=generator).masked_fill(~candidate, -1.0)
@@ -305,11 +307,10 @@ def held_out_acceptance(draft, embed, lm_head_weight, store: ReplyStore, indices
     greedy reply is the label, so a block that is right is what verification accepts), as
     bench/unseen_acceptance.py decodes its prompts' first 96 tokens. Before session 31 this was the
     mean over 64 random anchors, which overrated τ (decoded_acceptance says by how much)."""
-    generator = torch.Generator(device=store.tokens.device).manual_seed(1234)
     by_kind: dict[str, list[int]] = {}
     for k in range(0, len(indices), 16):
         chunk = list(indices[k : k + 16])
-        rows, tokens, lengths, chosen, labels = training_batch(store, chunk, anchors, block, generator, from_start=True)
+        rows, tokens, lengths, chosen, labels = training_batch(store, chunk, anchors, block, None)
         with torch.autocast(rows.device.type, dtype=torch.bfloat16, enabled=half_autocast(rows.device)):
             out = batched_training_forward(draft, embed, rows, tokens, lengths, chosen, block, mask_token)
         logits = F.linear(out.to(lm_head_weight.dtype), lm_head_weight).float()

@@ -102,6 +102,20 @@ def slot_hit_rates(steps: list[tuple[int, int]], slots: int) -> list[float | Non
     return rates
 
 
+def full_block_engine(target, draft, max_ctx: int = 2048, vocabulary: Sequence[int] | None = None,
+                      eos_token_ids: Sequence[int] = ()):
+    """An Engine on `target` whose DFlash drafter (`draft`, proposing from `vocabulary`'s ids where
+    given) drafts a full block at every step, with no adaptive policy: what τ is measured with.
+    Its drafter (`engine.dflash_drafter`) holds the target's captured rows of what it decoded."""
+    from dflash.engine.drafters.dflash import DFlashDrafter
+    from dflash.engine.generate import Engine
+    from dflash.engine.speculative import SpeculationConfig
+
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
+    return Engine(target, max_ctx=max_ctx, speculation=config, eos_token_ids=eos_token_ids,
+                  dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary))
+
+
 def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048,
                          vocabulary: Sequence[int] | None = None,
                          eos_token_ids: Sequence[int] = ()) -> dict[str, list[tuple[int, int]]]:
@@ -113,16 +127,11 @@ def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: in
     server's does. Why: decoded past the end, the model writes a new turn of its own (a system
     header, a made-up user ask) that no client sees, and the drafter's misses there counted against
     it (a code edit that ended after 50 tokens spent 12 of its 45 verifications past its end)."""
-    from dflash.engine.drafters.dflash import DFlashDrafter
-    from dflash.engine.generate import Engine
     from dflash.engine.sampling import SamplingParams
-    from dflash.engine.speculative import SpeculationConfig
 
     was_training = draft.training
     draft.eval()
-    config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
-    engine = Engine(target, max_ctx=max_ctx, speculation=config, eos_token_ids=eos_token_ids,
-                    dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary))
+    engine = full_block_engine(target, draft, max_ctx, vocabulary, eos_token_ids)
     result: dict[str, list[tuple[int, int]]] = {}
     try:
         with torch.no_grad():

@@ -88,7 +88,7 @@ def test_held_out_batches_take_each_replys_first_anchors_one_after_another():
     store = ReplyStore(100, 6, "cpu")
     assert store.add(list(range(10, 40)), 5, torch.randn(30, 6), kind=1)  # reply from position 5 of 30
     assert store.add(list(range(40, 47)), 4, torch.randn(7, 6), kind=2)
-    _, _, _, anchors, labels = training_batch(store, [0, 1], 8, 4, torch.Generator().manual_seed(0), from_start=True)
+    _, _, _, anchors, labels = training_batch(store, [0, 1], 8, 4, None)
     assert anchors[0].tolist() == list(range(5, 13))
     assert anchors[1][labels[1, :, 0] >= 0].tolist() == [4, 5]  # its only candidates
 
@@ -283,27 +283,21 @@ def test_the_held_out_walk_on_the_engines_rows_is_the_tau_a_decode_gets(embedded
     said 3.48 on this code edit where the two give 3.39 (bf16 on AMX), and 0.3-0.6 more on coding."""
     from bench.drafter_paths import teacher_forced_tau
     from dflash.chat.template import render_prompt
-    from dflash.engine.drafters.dflash import DFlashDrafter
-    from dflash.engine.generate import Engine
     from dflash.engine.loading import EMBEDDED_DEFAULT, load_model
     from dflash.engine.sampling import SamplingParams
-    from dflash.engine.speculative import SpeculationConfig
-    from dflash.training.unseen import UNSEEN_PROMPTS
+    from dflash.training.unseen import UNSEEN_PROMPTS, full_block_engine
 
     loaded = load_model(EMBEDDED_DEFAULT, dtype="bfloat16", weights=None, max_ctx=1024, threads=2)
     target = loaded.engine.model
     draft = load_dflash_checkpoint("dflash/drafters/smollm2-135m-instruct-b8", torch.bfloat16)
-    drafter = DFlashDrafter(draft, target, 1024)
-    config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False)
-    engine = Engine(target, max_ctx=1024, eos_token_ids=loaded.engine.eos_token_ids, speculation=config,
-                    dflash_drafter=drafter)
+    engine = full_block_engine(target, draft, 1024, eos_token_ids=loaded.engine.eos_token_ids)
     prompt = render_prompt(loaded.tokenizer, UNSEEN_PROMPTS["code editing"][2])
     generation = engine.start(prompt, SamplingParams(), 96)
     generation.run()
     stats = generation.stats
     decoded = (stats.accepted_tokens + stats.verification_steps) / stats.verification_steps
     every_anchor, walked = teacher_forced_tau(draft, target, list(prompt) + list(generation.output),
-                                              drafter.context_rows(), len(prompt))
+                                              engine.dflash_drafter.context_rows(), len(prompt))
     generation.close()
     assert decoded > 2.0  # the drafter takes part: a walk of misses would agree trivially
     # (the training forward rounds otherwise than the served drafter: a near-tie may go either way)
