@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every mode this many times, interleaved, and average (steadier on a shared VM)")
+    parser.add_argument("--tree-rows", type=int, help="rows of DFlash's draft trees ([speculative] tree_rows)")
+    parser.add_argument("--chain", action="store_true",
+                        help="also DFlash's modes with chains of its first choices (the default verifies trees)")
     parser.add_argument("--interleave", action="store_true",
                         help="the sets' prompts take turns within each mode's round (chat, coding, chat, ...), "
                              "as a server's replies may, instead of each set's rounds one after another")
@@ -109,15 +112,20 @@ def main() -> None:
         )
     drafter = DFlashDrafter(draft, target, 2048, draft_vocabulary(args.draft) if args.draft else None)  # as served
     block = draft.config.block_size - 1
+    rows = args.tree_rows or SpeculationConfig().tree_rows
     modes = {
         "plain": (SpeculationConfig(), None),
         "ngram": (SpeculationConfig(drafter="ngram", max_draft_tokens=8), None),
-        "dflash": (SpeculationConfig(drafter="dflash", max_draft_tokens=block), drafter),
-        "dflash, fixed block": (SpeculationConfig(drafter="dflash", max_draft_tokens=block, adaptive=False), drafter),
-        "auto": (SpeculationConfig(drafter="auto", max_draft_tokens=block), drafter),
+        "dflash": (SpeculationConfig(drafter="dflash", max_draft_tokens=block, tree_rows=rows), drafter),
+        "dflash, fixed block": (SpeculationConfig(drafter="dflash", max_draft_tokens=block, adaptive=False, tree_rows=rows),
+                                drafter),
+        "auto": (SpeculationConfig(drafter="auto", max_draft_tokens=block, tree_rows=rows), drafter),
     }
+    if args.chain:  # DFlash's modes again, proposing the chain of its first choices instead of a tree
+        modes |= {f"{mode} (chain)": (attrs.evolve(config, draft_tree=False), mode_drafter)
+                  for mode, (config, mode_drafter) in list(modes.items()) if mode_drafter is not None}
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
-          f"draft={'random weights' if not args.draft else args.draft}")
+          f"draft={'random weights' if not args.draft else args.draft} tree_rows={rows}")
     print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
     print("|---|---|---|---|---|---|")
     user = lambda prompts: [[{"role": "user", "content": p}] for p in prompts]  # noqa: E731

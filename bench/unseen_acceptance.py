@@ -3,7 +3,9 @@
 Greedy, a full block every verification (no adaptive policy), the same measurement that
 `dflash train-drafter --eval-every` writes to training.json, but on the served weight format.
 `--slots` adds each block slot's hit rate per prompt type: slot k's share of accepted drafts among
-the verifications whose slots before k were all accepted.
+the verifications whose slots before k were all accepted. Each drafter gets two rows: "chain", the
+drafter's first choice at each slot (what training measures), and "tree of N", a tree of N rows
+(speculative.DraftTree: what the server verifies; `--tree-rows`); for a tree "slot k" is depth k.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/unseen_acceptance.py --weights int4 --tokens 32 \\
         dflash/drafters/smollm2-135m-instruct-b8 [OTHER_DRAFTER_DIR ...]
@@ -35,24 +37,29 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per prompt")
     parser.add_argument("--full-vocabulary", action="store_true",
                         help="propose from every token, not the checkpoint's draft_vocab.json")
+    parser.add_argument("--tree-rows", default="7", help="rows of the trees, comma-separated for several (a row each)")
     parser.add_argument("--slots", action="store_true",
                         help="also each block slot's hit rate per prompt type (among blocks right up to it)")
     args = parser.parse_args()
     loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens}")
-    print("| drafter | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
-    print("|---" * (len(UNSEEN_PROMPTS) + 2) + "|")
+    print("| drafter | drafts | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
+    print("|---" * (len(UNSEEN_PROMPTS) + 3) + "|")
     slots = []
     for folder in args.drafters:
         draft = serving_draft(folder, loaded.dtype, loaded.weights)  # int8 linears on a quantized target
         vocabulary = None if args.full_vocabulary else draft_vocabulary(folder)  # as the server proposes
-        verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens,
-                                             vocabulary=vocabulary, eos_token_ids=loaded.engine.eos_token_ids)
-        taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
-        mean = sum(taus.values()) / len(taus)
-        print(f"| {folder} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |", flush=True)
-        slots += [(folder, kind, slot_hit_rates(steps, draft.config.block_size - 1))
-                  for kind, steps in verifications.items()]
+        shapes = [("chain", 0)] + [(f"tree of {rows}", int(rows)) for rows in args.tree_rows.split(",")]
+        for shape, rows in shapes:
+            verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens,
+                                                 vocabulary=vocabulary, eos_token_ids=loaded.engine.eos_token_ids,
+                                                 draft_tree=rows > 0, tree_rows=rows or None)
+            taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
+            mean = sum(taus.values()) / len(taus)
+            print(f"| {folder} | {shape} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |",
+                  flush=True)
+            slots += [(f"{folder} ({shape})", kind, slot_hit_rates(steps, draft.config.block_size - 1))
+                      for kind, steps in verifications.items()]
     if args.slots:
         width = max(len(rates) for _, _, rates in slots)
         print("\nhit rate of each block slot, among the blocks right up to it:\n")

@@ -43,16 +43,13 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
     from dflash.engine.cpu import cpu_kind
     from dflash.engine.loading import load_model as load_engine_model, weights_format
 
-    from dflash.engine.speculative import SpeculationConfig
-
     config, spec, cache = full_config.model, full_config.speculative, full_config.cache
     loaded = load_engine_model(
         config.source, dtype=config.dtype, weights=config.weights, kv_cache=config.kv_cache, max_ctx=config.max_ctx,
         threads=config.threads,
         rope_scaling=config.rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
         prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir),
-        speculation=SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens,
-                                      ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, adaptive=spec.adaptive),
+        speculation=speculation_settings(spec),
         draft_model=spec.draft_model,
         prefix_cache_slots=cache.prefix_cache_slots, prefill_cache_slots=cache.prefill_cache_slots,
         cache_budget_mib=cache.memory_budget_mib,
@@ -77,6 +74,15 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         cpu=cpu_kind(),
     )
     return loaded.engine, text
+
+
+def speculation_settings(spec):
+    """The engine's SpeculationConfig for the `[speculative]` table (`tree_rows = 0`: chains)."""
+    from dflash.engine.speculative import SpeculationConfig
+
+    return SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens, ngram_min=spec.ngram_min,
+                             ngram_max=spec.ngram_max, adaptive=spec.adaptive, draft_tree=spec.tree_rows > 0,
+                             tree_rows=max(spec.tree_rows, 1))
 
 
 def compression_settings(prefill):

@@ -118,6 +118,10 @@ class SpeculativeConfig:
     # other models); "" = none (the auto drafter mode then uses n-grams only).
     draft_model: str = "auto"
     max_draft_tokens: int = attrs.field(default=8, validator=_ints(1, 64))
+    # DFlash's draft trees: at most this many rows a verification (the policy picks fewer where its
+    # drafts are unlikely or rows cost more); 0: the chain of its first choices. At most 15: a
+    # verification of 16 rows is the most the native decode loop runs (model.FEW_ROWS).
+    tree_rows: int = attrs.field(default=15, validator=_ints(0, 15))
     ngram_min: int = attrs.field(default=2, validator=_ints(1, 16))
     ngram_max: int = attrs.field(default=4, validator=_ints(1, 16))
     adaptive: bool = True

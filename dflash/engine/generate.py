@@ -20,7 +20,8 @@ from dflash.engine.pflash import PromptCompressor, Span, kept_boundaries
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.prefix_reuse import PrefixReuse
 from dflash.engine.sampling import Sampler
-from dflash.engine.speculative import SpeculationConfig, SpeculationMemory, SpeculationPolicy
+from dflash.engine.model import Transformer, TreeRows
+from dflash.engine.speculative import DraftTree, SpeculationConfig, SpeculationMemory, SpeculationPolicy
 from dflash.sampling_params import SamplingParams
 
 # A prompt whose last boundary snapshot lies at most this many tokens before its end gets no exact
@@ -116,6 +117,28 @@ class Engine:
         generation = Generation(self, list(prompt_ids), sampling, max_tokens, snapshot_at, constraint, protected)
         self._live = generation
         return generation
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether this engine's model verifies a draft tree in one pass (ours does; transformers' not)."""
+        return isinstance(self.model, Transformer)
+
+    def forward_tree(self, tree: DraftTree, pending: int) -> tuple[torch.Tensor, TreeRows]:
+        """Append the pending token and a draft tree's rows after the committed ones (Transformer.forward's
+        `tree`); returns every row's logits and what keep_tree_path needs."""
+        rows = TreeRows.of((-1,) + tree.parents, self.model.args, self.model.dtype, self.model.device)
+        return self.forward([pending, *tree.tokens], logits_positions=None, tree=rows), rows
+
+    def keep_tree_path(self, base: int, tree: DraftTree, rows: TreeRows, path: list[int]) -> None:
+        """After forward_tree at `base`: keep the pending token and the tree rows `path` (1-based, a
+        path down from the pending token) as the committed tokens after it."""
+        if path != list(range(1, len(path) + 1)):  # chain 0's rows hold base + 1.. already (tree_chains)
+            index = torch.tensor(path, device=rows.keys.device)
+            self.kv.write_rows(base + 1, rows.keys[:, index], rows.values[:, index])
+            if self.dflash_drafter is not None and self.dflash_drafter.length >= base + 1 + len(tree):
+                self.dflash_drafter.keep_rows(base + 1, index + base)
+            self.prefix_reuse.committed[base + 1 : base + 1 + len(path)] = [tree.tokens[row - 1] for row in path]
+        self.rollback(base + 1 + len(path))
 
     def forward(self, tokens: list[int], **kwargs):
         """Append `tokens` after the committed ones; returns their logits (see Transformer.forward)."""
@@ -222,7 +245,9 @@ class Generation:
         self.output: list[int] = []
         self.finished: FinishReason | None = None
         self.closed = False
-        self.speculation = SpeculationPolicy(engine.speculation, engine.drafters(), engine.speculation_memory())
+        # A grammar's matcher checks drafts as a chain: a constrained generation proposes chains.
+        self.speculation = SpeculationPolicy(engine.speculation, engine.drafters(), engine.speculation_memory(),
+                                             trees=engine.verifies_trees and constraint is None)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.original_prompt = prompt_ids
         self.kept_positions: list[int] | None = None  # of the plan's tokens, once compressed
@@ -342,7 +367,11 @@ class Generation:
             # The pending token is committed to the matcher already; drafts past the first token
             # the grammar refuses could never be accepted.
             draft = draft[: self.constraint.valid_prefix(draft)]
-        if draft:
+        if isinstance(draft, DraftTree):
+            draft = draft.within(self.max_tokens - len(self.output))
+            if draft:
+                return self._tree_step(drafter, draft, started)
+        elif draft:
             return self._speculative_step(drafter, draft, started)
         logits = self.engine.forward([self.output[-1]])
         emitted = self._emit(self._sample(logits[-1]))
@@ -369,6 +398,32 @@ class Generation:
         self.engine.rollback(base + 1 + accepted)
         self.stats.record_draft(drafter.name, len(draft), matched)
         self.speculation.record(drafter, len(draft), matched, time.perf_counter() - started)
+        return StepOutput(emitted, self.finished, "decode")
+
+    def _tree_step(self, drafter, tree: DraftTree, started: float) -> StepOutput:
+        """Verify a draft tree after the pending token in one target forward: walk down from the
+        pending token, at each row sampling the target's token and going on to the child that
+        drafted it. Each verified position consumes one draw, as a chain's does (speculative.py)."""
+        base = self.engine.kv.length
+        logits, rows = self.engine.forward_tree(tree, self.output[-1])
+        children: dict[tuple[int, int], int] = {}
+        for row, (token, parent) in enumerate(zip(tree.tokens, tree.parents), 1):
+            children.setdefault((parent, token), row)  # a tree holds one row per token under a parent
+        emitted: list[int] = []
+        path: list[int] = []
+        row = 0
+        while True:
+            token = self._sample(logits[row])
+            emitted += self._emit(token)
+            child = children.get((row, token))
+            if self.finished is not None or child is None:
+                break
+            path.append(child)
+            row = child
+        self.engine.keep_tree_path(base, tree, rows, path)
+        self.stats.record_draft(drafter.name, len(tree), len(path))
+        self.speculation.record(drafter, tree.depth, len(path), time.perf_counter() - started,
+                                rows=tree.cost_rows(), expected=tree.expected())
         return StepOutput(emitted, self.finished, "decode")
 
     def _sample(self, logits: torch.Tensor) -> int:

@@ -102,6 +102,13 @@ class KVCache:
         self.values[layer, :, start:end] = v.transpose(0, 1)
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
+    def write_rows(self, start: int, keys: Tensor, values: Tensor) -> None:
+        """Store keys/values [layers, T, KV, D] of every layer at start..start+T (a draft tree's
+        accepted path: generate.Engine.keep_tree_path), as `write` would have, layer by layer."""
+        end = start + keys.shape[1]
+        self.keys[:, :, start:end] = keys.transpose(1, 2)
+        self.values[:, :, start:end] = values.transpose(1, 2)
+
     def attention_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype queries of `dtype` are cast to for attention over this cache: the cache's."""
         return self.keys.dtype
@@ -181,6 +188,10 @@ class Int8KVCache(KVCache):
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         """Quantize k/v [T, KV, D] into positions start..start+T of the layer."""
         self.native.quantize_kv(k, v, self.keys[layer], self.values[layer], self.key_scales[layer], self.value_scales[layer], start)
+
+    def write_rows(self, start: int, keys: Tensor, values: Tensor) -> None:
+        for layer in range(keys.shape[0]):  # each row's codes depend on that row only: as written first
+            self.write(layer, start, keys[layer], values[layer])
 
     def attention_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype  # the kernel quantizes each query row itself

@@ -369,6 +369,7 @@ class Attention(nn.Module):
         start: int,
         mask: Tensor | None,  # [T, start+T] bool (True = may attend) or None for causal
         row_groups: list["RowGroup"] | None = None,  # the attention calls without an explicit mask
+        tree: "TreeRows | None" = None,  # a draft tree's rows (cos/sin by depth), instead of causal rows
     ) -> Tensor:
         T = x.shape[0]
         H, KV = self.num_heads, self.num_kv_heads
@@ -380,24 +381,39 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : H + KV], cos, sin)
             q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, H + KV :]
+        if tree is not None:  # each chain on its path's keys, as decode_layers.cpp does (tree_chains)
+            tree.keys[layer], tree.values[layer] = k, v
+            q = q.to(kv.attention_dtype(q.dtype))
+            parts = []
+            for chain in tree.chains:
+                path = torch.tensor(chain.path, device=x.device)
+                kv.write(layer, start, k[path], v[path])
+                parts.append((chain.first, self._causal(q[chain.first : chain.end], kv, layer, start + chain.depth, None)))
+            out = torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])])
+            return self.wo(out.reshape(T, H * self.head_dim).to(x.dtype))
         kv.write(layer, start, k, v)
         q = q.to(kv.attention_dtype(q.dtype))
-        if mask is not None:  # an explicit (tree) mask
+        if mask is not None:  # an explicit mask (tests)
             keys, values = kv.readable(layer, start + T)  # [KV, start+T, D]
             out = grouped_query_attention(q.to(keys.dtype), keys, values, mask)  # [T, H, D]
-        elif kv.quantized:
-            out = kv.attend(q, layer, start)
-        elif attention_kernels() == "ours" and x.device.type == "cpu":
-            out = native_kernels().causal_attention(q, kv.keys[layer], kv.values[layer], start)
         else:
-            if row_groups is None:  # a caller running layers itself
-                row_groups = attention_row_groups(start, T, kv.max_ctx, H // KV, kv.keys.dtype, x.device)
-            out = torch.cat([
-                grouped_query_attention(q[group.rows], kv.keys[layer, :, : group.keys], kv.values[layer, :, : group.keys],
-                                        group.mask)
-                for group in row_groups
-            ])
+            out = self._causal(q, kv, layer, start, row_groups)
         return self.wo(out.reshape(T, H * self.head_dim).to(x.dtype))
+
+    def _causal(self, q: Tensor, kv: KVCache, layer: int, start: int, row_groups: list["RowGroup"] | None) -> Tensor:
+        """Causal attention of q [T, H, D] at positions start.. over the layer's cache: [T, H, D]."""
+        if kv.quantized:
+            return kv.attend(q, layer, start)
+        if attention_kernels() == "ours" and q.device.type == "cpu":
+            return native_kernels().causal_attention(q, kv.keys[layer], kv.values[layer], start)
+        if row_groups is None:  # a caller running layers itself, or a tree's chain
+            row_groups = attention_row_groups(start, q.shape[0], kv.max_ctx, self.num_heads // self.num_kv_heads,
+                                              kv.keys.dtype, q.device)
+        return torch.cat([
+            grouped_query_attention(q[group.rows], kv.keys[layer, :, : group.keys], kv.values[layer, :, : group.keys],
+                                    group.mask)
+            for group in row_groups
+        ])
 
 
 # Every row attends over keys padded to a multiple of this, masked past its own position. The CPU
@@ -414,6 +430,65 @@ class RowGroup:
     rows: slice  # of the T new tokens
     keys: int  # padded key count, the same for every row here
     mask: Tensor  # [G * rows, keys] additive float mask, row g*rows + t is token t of head group g
+
+
+@attrs.frozen
+class TreeChain:
+    first: int  # rows first..end-1 of the tree, each the child of the one before
+    end: int
+    depth: int  # of row `first`; row t of the chain sits at position start + depth + (t - first)
+    path: tuple[int, ...]  # the rows whose keys go to positions start, start + 1, ...: ancestors, then the chain
+
+
+def tree_chains(parents: Sequence[int]) -> list[TreeChain]:
+    """A draft tree's rows (depth-first: row 0 the pending token, parents[t] the row before t on its
+    path, -1 for row 0) as chains, in the order they are attended: the last first, so chain 0 (the
+    drafter's first choices, most often accepted) is what the cache holds after. Each chain is
+    attended as causal rows over its path's keys, so every row gets the bits a decode step of its
+    path would (decode_layers.cpp's tree_chains does the same)."""
+    if not parents or parents[0] != -1:
+        raise ValueError(f"a draft tree's row 0 has no parent (-1), got parents {list(parents)}")
+    depth = [0] * len(parents)
+    chains: list[list] = []
+    for t, parent in enumerate(parents):
+        if t > 0 and not 0 <= parent < t:
+            raise ValueError(f"row {t}'s parent {parent} is not a row before it")
+        if t > 0:
+            depth[t] = depth[parent] + 1
+        if t > 0 and parent == t - 1:
+            chains[-1][1] = t + 1
+            chains[-1][3].append(t)
+            continue
+        path = []
+        a = parent if t > 0 else -1
+        while a >= 0:
+            path.append(a)
+            a = parents[a]
+        chains.append([t, t + 1, depth[t], path[::-1] + [t]])
+    return [TreeChain(first, end, d, tuple(path)) for first, end, d, path in reversed(chains)]
+
+
+@attrs.define
+class TreeRows:
+    """A draft tree's verification (Transformer.forward's `tree`): its rows' parents and chains, and
+    every row's key and value per layer [layers, T, KV, D] (the accepted path's go to the cache after)."""
+    parents: list[int]
+    chains: list[TreeChain]
+    keys: Tensor
+    values: Tensor
+
+    @classmethod
+    def of(cls, parents: Sequence[int], args: "ModelArgs", dtype: torch.dtype, device) -> "TreeRows":
+        shape = (args.num_layers, len(parents), args.num_kv_heads, args.head_dim)
+        return cls(list(parents), tree_chains(parents), torch.empty(shape, dtype=dtype, device=device),
+                   torch.empty(shape, dtype=dtype, device=device))
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for t in range(1, len(parents)):
+        depth[t] = depth[parents[t]] + 1
+    return depth
 
 
 def attention_row_groups(start: int, new_tokens: int, max_ctx: int, groups: int, dtype: torch.dtype, device) -> list[RowGroup]:
@@ -478,8 +553,8 @@ class DecoderLayer(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, layer, start, mask, row_groups=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask, row_groups)
+    def forward(self, x, cos, sin, kv, layer, start, mask, row_groups=None, tree=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, start, mask, row_groups, tree)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -549,6 +624,7 @@ class Transformer(nn.Module):
         attention_mask: Tensor | None = None,  # [T, start+T] bool over committed + new tokens
         logits_positions: slice | Sequence[int] | None = slice(-1, None),
         capture_into: Tensor | None = None,
+        tree: TreeRows | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """Run T new tokens at positions start..start+T-1, append them to `kv`.
 
@@ -559,18 +635,26 @@ class Transformer(nn.Module):
         are written there, in capture_layers order, and the list returned is empty: the native loop
         copies each into place, where returning them cost the drafter a concatenation and a copy a
         step (~100 us of a 4.7 ms int4 step on an AMX VM, paid by every plain step under auto).
+        
+        With `tree` (TreeRows.of the tree's parents) the tokens are a draft tree's rows, each at
+        position start_position + its depth, verified in one pass; their keys and values fill
+        `tree.keys`/`tree.values`, and the cache's positions after start_position hold chain 0's.
         """
         T = tokens.shape[0]
         end = start_position + T
         if end > kv.max_ctx:
             raise ValueError(f"positions up to {end} exceed the KV cache size {kv.max_ctx}")
         cos_table, sin_table = self._rope_tables(kv.max_ctx)
-        cos = cos_table[start_position:end]
-        sin = sin_table[start_position:end]
+        if tree is None:
+            cos = cos_table[start_position:end]
+            sin = sin_table[start_position:end]
+        else:
+            positions = torch.tensor(tree_depths(tree.parents), device=tokens.device) + start_position
+            cos, sin = cos_table[positions], sin_table[positions]
         x = self.embed(tokens)  # [T, C]
         row_groups = None
         ours = (attention_kernels() == "ours" or kv.quantized) and x.device.type == "cpu"
-        if attention_mask is None and not ours:
+        if attention_mask is None and not ours and tree is None:
             row_groups = attention_row_groups(start_position, T, kv.max_ctx, self.args.num_heads // self.args.num_kv_heads,
                                               kv.keys.dtype, x.device)
         capture = set(capture_layers)
@@ -582,6 +666,8 @@ class Transformer(nn.Module):
         causal = attention_mask is None
         rows_invariant = T <= FEW_ROWS or self._linears_rows_invariant()
         native = native_extension() if causal and rows_invariant and x.device.type == "cpu" else None
+        if tree is not None and not ours:
+            native = None  # the native loop attends a tree's chains with our kernels only
         C = self.args.hidden_size
         into_natively = (capture_into is not None and native is not None and capture_into.dtype == torch.bfloat16
                          and x.dtype == torch.bfloat16)
@@ -596,11 +682,12 @@ class Transformer(nn.Module):
                 our_attention=ours,
                 num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim,
                 intermediate=self.args.intermediate_size, eps=self.args.rms_norm_eps, capture=sorted(capture),
-                capture_into=capture_into if into_natively else None, capture_columns=columns)
+                capture_into=capture_into if into_natively else None, capture_columns=columns,
+                **({} if tree is None else dict(tree_parents=tree.parents, saved_keys=tree.keys, saved_values=tree.values)))
         else:
             captured: list[Tensor] = []
             for index, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, kv, index, start_position, attention_mask, row_groups)
+                x = layer(x, cos, sin, kv, index, start_position, attention_mask, row_groups, tree)
                 if index in capture:
                     captured.append(x.clone())
         kv.length = end

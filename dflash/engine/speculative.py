@@ -19,6 +19,8 @@ one measured fastest.
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from typing import Literal, Sequence
 
@@ -34,6 +36,123 @@ class SpeculationConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
+    # DFlash proposes a tree of its most likely continuations instead of one chain (DraftTree), of
+    # at most tree_rows rows (its depth stays within the block)
+    draft_tree: bool = True
+    tree_rows: int = 15
+
+
+@attrs.frozen
+class DraftTree:
+    """Draft tokens as a tree, verified in one target pass (Generation._tree_step). Rows are in
+    depth-first order after the pending token (row 0): `tokens[i]` is row i + 1, `parents[i]` the
+    row before it on its path (0: the pending token). A parent's most likely child is the row right
+    after it, so rows 1.. down the first children (chain 0) are the chain a drafter would propose.
+    `probabilities[i]`: the drafter's probability of row i + 1's whole path; `ranks[i]`: the order
+    the row was chosen in (best_first_tree), so the rows ranked below k are a tree too (`first`).
+
+    Why: DFlash predicts each slot of its block at once, with a distribution over the vocabulary;
+    where its first choice at a slot is wrong its second or third often is right. On chat its first
+    slot is right 43% of the time (bf16, AMX): spending some of the verified rows on the likeliest
+    alternatives, rather than on deep slots a chain rarely reaches, keeps more tokens per
+    verification for as many rows (bench/unseen_acceptance.py: chain against tree)."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    probabilities: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths(), default=0)
+
+    def depths(self) -> list[int]:
+        depth = [0]
+        for parent in self.parents:
+            depth.append(depth[parent] + 1)
+        return depth[1:]
+
+    def expected(self) -> float:
+        """Draft tokens a verification keeps, by the drafter's own probabilities: each row's path is
+        kept whole with its probability, and a kept path of d rows keeps each of its d prefixes."""
+        return sum(self.probabilities)
+
+    def chains(self) -> int:
+        """Runs of rows each the child of the row before (model.tree_chains): a verification attends
+        each on its own, so each past the first costs about a row more (AMX: int4 ~0.1 plain
+        steps a chain, ~0.1 a row; bf16 ~0.03 and ~0.03)."""
+        return sum(1 for row, parent in enumerate(self.parents, 1) if parent != row - 1) + (1 if self.parents else 0)
+
+    def cost_rows(self) -> int:
+        """What verifying this tree costs, in rows: its rows and a row for each chain past the first."""
+        return len(self) + max(self.chains() - 1, 0)
+
+    def within(self, depth: int) -> "DraftTree":
+        """The rows at most `depth` deep (a reply's last tokens), depth-first order kept."""
+        return self._keep([d <= depth for d in self.depths()])
+
+    def first(self, rows: int) -> "DraftTree":
+        """The `rows` rows chosen first: the likeliest paths (a row's ancestors were chosen before it)."""
+        if rows >= len(self) or not self.ranks:
+            return self
+        return self._keep([rank < rows for rank in self.ranks])
+
+    def _keep(self, kept: list[bool]) -> "DraftTree":
+        keep = [i for i, k in enumerate(kept) if k]
+        if len(keep) == len(self):
+            return self
+        row = {0: 0} | {i + 1: n + 1 for n, i in enumerate(keep)}
+        pick = lambda values: tuple(values[i] for i in keep) if values else ()  # noqa: E731
+        return DraftTree(pick(self.tokens), tuple(row[self.parents[i]] for i in keep), pick(self.probabilities),
+                         pick(self.ranks))
+
+    def chain(self) -> list[int]:
+        """Chain 0: the first child of each row from the pending token down."""
+        tokens, row = [], 0
+        for i, parent in enumerate(self.parents):
+            if parent != row:
+                break
+            tokens.append(self.tokens[i])
+            row = i + 1
+        return tokens
+
+
+def best_first_tree(logprobs: Sequence[Sequence[float]], ids: Sequence[Sequence[int]], rows: int) -> DraftTree:
+    """The `rows` most likely draft paths as a tree, from each slot's candidates (`ids[d]` in
+    descending `logprobs[d]`, slot d + 1 after the pending token). The slots are predicted at once,
+    so a path's log-probability is the sum of its tokens'; every prefix of a path is at least as
+    likely as the path, so taking paths best first gives a tree. Rows come out depth-first with
+    each row's likelier children first (chain 0 is the first choice at every slot)."""
+    slots = len(ids)
+    if rows < 1 or slots == 0:
+        return DraftTree((), ())
+    chosen: dict[tuple[int, ...], tuple[int, float]] = {}  # rank path -> (order chosen, log-probability)
+    frontier = [(-logprobs[0][0], (0,))]
+    while frontier and len(chosen) < rows:
+        score, path = heapq.heappop(frontier)
+        chosen[path] = (len(chosen), -score)
+        depth, rank = len(path) - 1, path[-1]
+        if rank + 1 < len(ids[depth]):  # the next candidate at this slot, same ancestors
+            heapq.heappush(frontier, (score + logprobs[depth][rank] - logprobs[depth][rank + 1], path[:-1] + (rank + 1,)))
+        if depth + 1 < slots:  # this path's first-choice child
+            heapq.heappush(frontier, (score - logprobs[depth + 1][0], path + (0,)))
+    tokens: list[int] = []
+    parents: list[int] = []
+    probabilities: list[float] = []
+    ranks: list[int] = []
+    # Depth-first: the paths in lexicographic order of their candidate ranks.
+    row_of: dict[tuple[int, ...], int] = {}
+    for path in sorted(chosen):
+        order, logprob = chosen[path]
+        tokens.append(ids[len(path) - 1][path[-1]])
+        parents.append(row_of.get(path[:-1], 0))
+        probabilities.append(math.exp(logprob))
+        ranks.append(order)
+        row_of[path] = len(tokens)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(probabilities), tuple(ranks))
 
 
 class _Ema:
@@ -61,9 +180,17 @@ class _DrafterState:
         # The proposal's own cost, in plain steps: fixed per step whatever the block (a DFlash
         # forward), so it is not charged to the rows (which made short blocks look best).
         self.proposal_cost = _Ema(0.3, 0.0)
+        # A tree proposer's calibration: decayed sums of draft tokens kept and of what its own
+        # probabilities expected (DraftTree.expected) of the same verifications.
+        self.kept = 0.0
+        self.expected = 0.0
 
     def acceptance(self) -> float | None:
         return self.matched / self.tried if self.tried >= 4 else None
+
+    def calibration(self) -> float:
+        """Draft tokens kept per token the drafter's probabilities expected (1 until measured)."""
+        return self.kept / self.expected if self.expected >= 2.0 else 1.0
 
 
 def tokens_per_verification(acceptance: float, block: int) -> float:
@@ -116,20 +243,35 @@ class SpeculationPolicy:
     MAX_PAUSE_STEPS = 512
     FULL_PAUSE_PROBE_COST = 0.5  # plain steps: a probe this costly or more waits the whole pause
     FIRST_BLOCK = 2
+    # Plain steps a generation measures before it speculates, the fastest taken: the first decode
+    # step after a prefill runs on cold caches (int4, AMX VM: 9 ms against 6.5 the steps after;
+    # bf16 59 against 48), and as the only plain step measured it made speculation look better
+    # than it was for the whole reply.
+    PLAIN_SAMPLES = 2
+    # A verified row's cost in plain steps before it is measured: between AMX with bf16 weights
+    # (~0.02) and int4 (~0.06) and AVX2 (~0.4 for chains, whose blocks start short instead).
+    UNMEASURED_ROW_COST = 0.1
 
-    def __init__(self, config: SpeculationConfig, drafters: dict[str, object], memory: SpeculationMemory | None = None):
+    def __init__(self, config: SpeculationConfig, drafters: dict[str, object], memory: SpeculationMemory | None = None,
+                 trees: bool = False):
         self.config = config
         self.drafters = drafters  # name -> drafter, in preference order for auto mode
+        # Drafters that can propose a tree do (DraftTree), where the engine verifies trees and the
+        # configuration asks for them; `block` then counts the tree's rows.
+        self.trees = trees and config.draft_tree
         # Slow start: a drafter begins with a short block (a failed probe then costs little) and
         # earns longer ones by having whole blocks accepted. Without adaptation: the full block.
-        first_block = min(self.FIRST_BLOCK, config.max_draft_tokens) if config.adaptive else config.max_draft_tokens
-        self.state = {name: _DrafterState(first_block, self.PAUSE_STEPS) for name in drafters}
+        self.longest = {name: config.tree_rows if self._proposes_trees(drafter) else config.max_draft_tokens
+                        for name, drafter in drafters.items()}
+        self.state = {name: _DrafterState(min(self.FIRST_BLOCK, self.longest[name]) if config.adaptive else self.longest[name],
+                                          self.PAUSE_STEPS) for name in drafters}
         self.memory = memory if memory is not None and memory.config == config and config.adaptive else None
         for name, state in self.state.items():
             if self.memory is not None and name in self.memory.drafters:
                 state.block, pause, state.pause_length = self.memory.drafters[name]
                 state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
         self.plain_seconds = _Ema(0.3)
+        self.first_plain: list[float] = []  # the first PLAIN_SAMPLES plain steps; their fastest starts plain_seconds
         self.proposal_seconds = 0.0  # the last step's proposals (choose), the start of what record() is given
         self.catch_up_seconds = 0.0  # of this step's proposals: drafters' contexts catching up
 
@@ -159,7 +301,11 @@ class SpeculationPolicy:
         started = time.perf_counter()
         for _, _, name, drafter in ready:
             state = self.state[name]
-            draft = drafter.propose(tokens, state.block)
+            if self._proposes_trees(drafter):
+                draft = drafter.propose_tree(tokens, self.longest[name])
+                draft = draft.first(self._tree_rows(state, draft))
+            else:
+                draft = drafter.propose(tokens, state.block)
             # A drafter's context catching up (DFlashDrafter.catch_up_seconds) is no cost of this
             # step's: left out of every measurement of it, plain or speculative.
             self.catch_up_seconds += getattr(drafter, "catch_up_seconds", 0.0)
@@ -168,18 +314,63 @@ class SpeculationPolicy:
                 return drafter, draft
         return None, []
 
+    def _proposes_trees(self, drafter) -> bool:
+        return self.trees and hasattr(drafter, "propose_tree")
+
+    def _tree_rows(self, state: _DrafterState, tree: DraftTree) -> int:
+        """How many of a proposed tree's rows to verify: the k that yields the most tokens per unit
+        of time, a verification of k rows keeping 1 + (the k likeliest rows' probabilities, summed,
+        times the drafter's measured calibration) tokens and costing 1 + proposal + row_cost * k
+        plain steps. So the tree is as large as this step's drafts are likely: few rows where the
+        drafter is unsure (chat), more where it is sure, fewer where rows cost more (int4 against
+        bf16 weights). Until a row's cost is measured it is taken as UNMEASURED_ROW_COST: a tree
+        needs no slow start, its size following its drafts' probabilities from the first step."""
+        if not self.config.adaptive:
+            return len(tree)
+        if not tree.probabilities:
+            return min(state.block, len(tree))
+        measured = state.row_cost.value
+        scale, row_cost = state.calibration(), max(self.UNMEASURED_ROW_COST if measured is None else measured, 0.01)
+        fixed = 1.0 + max(state.proposal_cost.value, 0.0)
+        # Rows in the order they were chosen (a row after its ancestors); a row whose parent has a
+        # child already opens a chain, which costs about a row more (DraftTree.chains).
+        best, best_rate, total, cost_rows, parents_with_child = 1, 0.0, 0.0, 0, set()
+        for k, row in enumerate(sorted(range(len(tree)), key=tree.ranks.__getitem__), 1):
+            total += tree.probabilities[row]
+            parent = tree.parents[row]
+            cost_rows += 2 if parent in parents_with_child else 1
+            parents_with_child.add(parent)
+            rate = (1.0 + scale * total) / (fixed + row_cost * cost_rows)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
     def _without_catch_up(self, seconds: float) -> float:
         seconds, self.catch_up_seconds = max(seconds - self.catch_up_seconds, 1e-6), 0.0
         return seconds
 
     def record_plain(self, seconds: float) -> None:
-        self.plain_seconds.add(self._without_catch_up(seconds))
+        seconds = self._without_catch_up(seconds)
+        if len(self.first_plain) < self.PLAIN_SAMPLES:
+            self.first_plain.append(seconds)
+            if len(self.first_plain) == self.PLAIN_SAMPLES:
+                self.plain_seconds.value = min(self.first_plain)
+            return
+        self.plain_seconds.add(seconds)
 
-    def record(self, drafter, proposed: int, accepted: int, seconds: float) -> None:
+    def record(self, drafter, proposed: int, accepted: int, seconds: float, rows: int | None = None,
+               expected: float | None = None) -> None:
+        """A verification step: `proposed` drafts deep (a tree's depth), `accepted` of them kept,
+        `rows` draft rows verified (a tree's; default `proposed`, a chain's), `expected` what the
+        tree's probabilities expected kept (DraftTree.expected)."""
+        rows = proposed if rows is None else rows
         seconds = self._without_catch_up(seconds)
         if not self.config.adaptive:
             return
         state = self.state[drafter.name]
+        if expected is not None:
+            state.kept = 0.9 * state.kept + accepted
+            state.expected = 0.9 * state.expected + expected
         state.tokens_per_second.add((accepted + 1) / max(seconds, 1e-9))
         plain_rate = 1.0 / max(self.plain_seconds.value or seconds, 1e-9)
         state.matched = 0.9 * state.matched + accepted
@@ -187,19 +378,19 @@ class SpeculationPolicy:
         if self.plain_seconds.value:
             proposal = min(self.proposal_seconds, seconds) / self.plain_seconds.value
             state.proposal_cost.add(proposal)
-            state.row_cost.add((seconds / self.plain_seconds.value - proposal - 1.0) / max(proposed, 1))
+            state.row_cost.add((seconds / self.plain_seconds.value - proposal - 1.0) / max(rows, 1))
         acceptance = state.acceptance()
         if acceptance is not None and state.row_cost.value is not None:
             # Enough measured: the block that pays best on this CPU (verification cost per row,
             # the proposal's own) for this drafter's acceptance, instead of the slow start's
             # doubling and halving.
-            state.block = best_block(acceptance, state.row_cost.value, self.config.max_draft_tokens,
+            state.block = best_block(acceptance, state.row_cost.value, self.longest[drafter.name],
                                      state.proposal_cost.value)
         elif accepted < proposed / 2 and state.block > 1:
             state.block = max(1, state.block // 2)
         elif accepted == proposed:
-            state.block = min(self.config.max_draft_tokens, state.block * 2)
-        if accepted == proposed and self._could_pay(state):
+            state.block = min(self.longest[drafter.name], state.block * 2)
+        if accepted == proposed and self._could_pay(state, self.longest[drafter.name]):
             # Every draft accepted is the best a short probe can show; judged by its own rate it
             # was paused (a DFlash probe of 1 draft, both tokens right, took 12 ms against 5.7 for a
             # plain step on AMX: the proposal costs a fixed half step) and coding lost the 1.2-1.45x
@@ -226,12 +417,11 @@ class SpeculationPolicy:
         probe = max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * state.block
         return max(1, round(state.pause_length * min(1.0, probe / self.FULL_PAUSE_PROBE_COST)))
 
-    def _could_pay(self, state: _DrafterState) -> bool:
+    def _could_pay(self, state: _DrafterState, longest: int) -> bool:
         """Whether whole blocks of the longest size, every draft accepted, would beat plain steps at
         the verification and proposal costs measured (unmeasured: assume so)."""
         if state.row_cost.value is None:
             return True
-        longest = self.config.max_draft_tokens
         cost = 1.0 + max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * longest
         return tokens_per_verification(1.0, longest) / cost >= 1.0
 

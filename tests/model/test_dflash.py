@@ -2,6 +2,7 @@
 
 import json
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -184,11 +185,15 @@ def test_a_draft_vocabulary_limits_the_drafts_and_greedy_stays_plain_greedy(targ
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
     engine = Engine(model, max_ctx=128, speculation=config, dflash_drafter=drafter)
     proposed = []
-    propose = drafter.propose
+    propose, propose_tree = drafter.propose, drafter.propose_tree
     drafter.propose = lambda tokens, n: proposed.extend(out := propose(tokens, n)) or out
-    generation = engine.start(prompt, SamplingParams(), 24)
-    assert generation.run() == plain
-    assert proposed and set(proposed) <= set(vocabulary)
+    drafter.propose_tree = lambda tokens, n: proposed.extend((out := propose_tree(tokens, n)).tokens) or out
+    for tree in (True, False):  # a tree's every candidate, and a chain
+        engine.speculation = attrs.evolve(config, draft_tree=tree)
+        generation = engine.start(prompt, SamplingParams(), 24)
+        assert generation.run() == plain
+        assert proposed and set(proposed) <= set(vocabulary)
+        proposed.clear()
     with pytest.raises(DraftLoadError, match="outside the target's 128"):
         DFlashDrafter(draft, model, 128, vocabulary=[0, 128])
 

@@ -52,6 +52,7 @@ def test_the_example_documents_exactly_the_defaults():
     ({"model": {"rope_scaling": "ntk"}}, "model.rope_scaling: expected one of 'auto', 'none', 'yarn', 'linear', got 'ntk'"),
     ({"model": {"rope_scaling": 4}}, "model.rope_scaling: expected a string, got 4"),
     ({"model": {"rope_scaling_factor": 0.5}}, "model.rope_scaling_factor: expected 0 (derived) or a number >= 1, got 0.5"),
+    ({"speculative": {"tree_rows": 16}}, "speculative.tree_rows: expected an integer from 0 to 15, got 16"),
     ({"logging": {"format": "xml"}}, "logging.format: expected one of 'json', 'console', got 'xml'"),
     ({"logging": {"log_text": 1}}, "logging.log_text: expected true or false, got 1"),
     ({"server": 5}, "server: expected a table ([server]), got 5"),
@@ -87,3 +88,13 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "server.port" in err and "99999" in err
+
+
+def test_tree_rows_reach_the_engine_and_zero_means_chains():
+    from dflash.app import speculation_settings
+    from dflash.config import SpeculativeConfig
+
+    assert speculation_settings(SpeculativeConfig()).draft_tree and speculation_settings(SpeculativeConfig()).tree_rows == 15
+    chains = speculation_settings(SpeculativeConfig(tree_rows=0))
+    assert not chains.draft_tree and chains.tree_rows == 1
+    assert speculation_settings(SpeculativeConfig(tree_rows=6)).tree_rows == 6

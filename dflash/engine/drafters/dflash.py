@@ -35,6 +35,7 @@ from dflash.engine.model import (
     widen_to_fp32,
 )
 from dflash.engine.sampling import greedy_tokens
+from dflash.engine.speculative import DraftTree, best_first_tree
 
 
 class DraftLoadError(ValueError):
@@ -374,9 +375,36 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        logits = self._slot_logits(tokens, max_tokens)
+        if logits is None:
+            return []
+        # fp32 first: torch's argmax over bf16 rows cost ~0.75 ms for 7 x 49152 on Zen 4 (AVX512-BF16),
+        # 0.25 ms with the conversion (the same indices); logits.cpp's, a few tens of us.
+        best = greedy_tokens(widen_to_fp32(logits))
+        return (best if self.vocabulary is None else self.vocabulary[best]).tolist()
+
+    # Candidates per slot a tree chooses among: more than a few are never likely enough to be chosen.
+    TREE_CANDIDATES = 8
+
+    @torch.inference_mode()
+    def propose_tree(self, tokens: Sequence[int], rows: int) -> DraftTree:
+        """The `rows` likeliest draft paths of the whole block (speculative.best_first_tree); empty
+        where `propose` would decline."""
+        logits = self._slot_logits(tokens, self.block_size - 1 if rows > 0 else 0)
+        if logits is None:
+            return DraftTree((), ())
+        logits = widen_to_fp32(logits)
+        top = logits.topk(min(self.TREE_CANDIDATES, rows, logits.shape[-1]), dim=-1)
+        logprobs = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        ids = top.indices if self.vocabulary is None else self.vocabulary[top.indices]
+        return best_first_tree(logprobs.tolist(), ids.tolist(), rows)
+
+    def _slot_logits(self, tokens: Sequence[int], max_tokens: int) -> Tensor | None:
+        """The drafter's logits [drafts, vocabulary] for up to `max_tokens` drafts after the pending
+        token (the last of `tokens`), or None where it cannot propose (its context is not whole)."""
         committed = len(tokens) - 1  # the last token is pending: not yet run through the target
         if max_tokens <= 0 or self.length != committed:
-            return []
+            return None
         # Fewer drafts run a shorter block, though training always ran whole ones (attention
         # inside a block goes both ways, so the rows change): measured once (a throwaway comparison,
         # numbers in issue 17's session-16 note) with the shipped drafter on
@@ -395,11 +423,11 @@ class DFlashDrafter:
         ids[0] = tokens[-1]
         out = self.draft(context, self.target.embed(ids), self.kv, self.cos, self.sin)
         # Slot 0 is the known pending token; slots 1.. predict the tokens at their own positions.
-        logits = self.head(out[1:].to(self.target.dtype))
-        # fp32 first: torch's argmax over bf16 rows cost ~0.75 ms for 7 x 49152 on Zen 4 (AVX512-BF16),
-        # 0.25 ms with the conversion (the same indices); logits.cpp's, a few tens of us.
-        best = greedy_tokens(widen_to_fp32(logits))
-        return (best if self.vocabulary is None else self.vocabulary[best]).tolist()
+        return self.head(out[1:].to(self.target.dtype))
+
+    def keep_rows(self, start: int, positions: Tensor) -> None:
+        """Rows at `positions` (a draft tree's accepted path) become those of start, start + 1, ..."""
+        self.rows[start : start + len(positions)] = self.rows[positions]
 
 
 def head_rows(head: nn.Module, ids: Tensor) -> nn.Module:

@@ -82,6 +82,46 @@ struct Linear {
   }
 };
 
+// ---- a draft tree's verification (speculative.py, DraftTree) ---------------------------------
+//
+// Rows in depth-first order: row 0 the pending token, parents[t] the row before t on its path
+// (-1 for row 0), each row at position start + its depth. A chain is a run of rows each the child
+// of the one before. Each chain is attended as the causal rows it is: the keys of its path (the
+// rows at depths 0.. before it, then its own) go to positions start.., and the causal kernel runs
+// its rows from start + the depth of its first row. So every row sees exactly the keys, at the same
+// positions and in the same order, as a decode step of its path would, and gets the same bits
+// (the kernels compute a row the same way whatever other rows a call holds). Chains are attended
+// last first: chain 0, the drafter's first choices, is written last and stays in the cache.
+struct TreeChain {
+  int64_t first, end, depth;  // rows first..end-1, the first at depth `depth`
+  std::vector<int64_t> path;  // the rows whose keys go to start, start + 1, ...: ancestors, then first..end-1
+};
+
+std::vector<TreeChain> tree_chains(const std::vector<int64_t>& parents, int64_t T) {
+  TORCH_CHECK(int64_t(parents.size()) == T && T > 0 && parents[0] == -1,
+              "decode_layers: tree parents must give one parent a row, -1 for row 0; got ", parents.size(), " for ", T, " rows");
+  std::vector<int64_t> depth(T, 0);
+  for (int64_t t = 1; t < T; ++t) {
+    TORCH_CHECK(parents[t] >= 0 && parents[t] < t, "decode_layers: row ", t, "'s parent ", parents[t], " is not a row before it");
+    depth[t] = depth[parents[t]] + 1;
+  }
+  std::vector<TreeChain> chains;
+  for (int64_t t = 0; t < T; ++t) {
+    if (t > 0 && parents[t] == t - 1) {
+      chains.back().end = t + 1;
+      chains.back().path.push_back(t);
+      continue;
+    }
+    TreeChain chain{t, t + 1, depth[t], {}};
+    for (int64_t a = t > 0 ? parents[t] : -1; a >= 0; a = parents[a]) chain.path.push_back(a);
+    std::reverse(chain.path.begin(), chain.path.end());
+    chain.path.push_back(t);
+    chains.push_back(chain);
+  }
+  std::reverse(chains.begin(), chains.end());
+  return chains;
+}
+
 // ---- bf16 rows on 8 lanes (AVX2) -------------------------------------------------------------
 //
 // The elementwise steps of a layer (norms, rope, residual adds, SiLU's product) on bf16 rows, 8
@@ -468,7 +508,8 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
     const at::Tensor& key_scales, const at::Tensor& value_scales, int64_t start, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& qk_norms,
     const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& kinds, const std::vector<int64_t>& has_bias,
     const std::vector<int64_t>& out_features, int64_t H, int64_t KV, int64_t D, int64_t intermediate, double eps,
-    const std::vector<int64_t>& capture, const at::Tensor& capture_into, const std::vector<int64_t>& capture_columns) {
+    const std::vector<int64_t>& capture, const at::Tensor& capture_into, const std::vector<int64_t>& capture_columns,
+    const std::vector<TreeChain>& chains, const at::Tensor& saved_keys, const at::Tensor& saved_values) {
   using bf16 = at::BFloat16;
   const auto kBf16 = at::kBFloat16;
   const int64_t layers = keys.size(0), T = x_in.size(0), C = x_in.size(1), L = keys.size(2), I = intermediate;
@@ -518,6 +559,9 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
   bf16* key_base = int8_cache ? nullptr : keys.data_ptr<bf16>();
   bf16* value_base = int8_cache ? nullptr : values.data_ptr<bf16>();
   const float epsilon = float(eps);
+  // a draft tree's path keys and values for quantize_kv, [T, KV, D] each (tree_chains)
+  std::vector<bf16> path_buffer(chains.empty() || !int8_cache ? 0 : 2 * T * KV * D);
+  bf16* path_rows = path_buffer.data();
   std::vector<at::Tensor> captured;
   size_t next_capture = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -550,13 +594,46 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
         for (int64_t head = 0; head < H; ++head) rope_row(row + head * D, ct, st, q + (t * H + head) * D, D);
         for (int64_t head = 0; head < KV; ++head) rope_row(row + (H + head) * D, ct, st, k + (t * KV + head) * D, D);
       }
-      for (int64_t head = 0; head < KV && !int8_cache; ++head) {  // this token's key and value into the cache
+      if (saved_keys.defined()) {  // a tree's rows: kept for the path the verification accepts
+        std::memcpy(saved_keys.data_ptr<bf16>() + (layer * T + t) * KV * D, k + t * KV * D, sizeof(bf16) * KV * D);
+        std::memcpy(saved_values.data_ptr<bf16>() + (layer * T + t) * KV * D, row + (H + KV) * D, sizeof(bf16) * KV * D);
+      }
+      for (int64_t head = 0; head < KV && !int8_cache && chains.empty(); ++head) {  // this token's key and value into the cache
         const int64_t at = layer * keys.stride(0) + head * keys.stride(1) + (start + t) * D;
         std::memcpy(key_base + at, k + (t * KV + head) * D, sizeof(bf16) * D);
         std::memcpy(value_base + at, row + (H + KV + head) * D, sizeof(bf16) * D);
       }
     }
-    if (int8_cache) {  // kv.Int8KVCache: the loop below's calls, on views of the rows
+    if (!chains.empty()) {  // a draft tree: each chain on its path's keys (tree_chains)
+      const auto options = at::TensorOptions().dtype(kBf16);
+      for (const auto& chain : chains) {
+        const int64_t n = chain.path.size(), rows = chain.end - chain.first;
+        if (int8_cache) {
+          const auto path_k = at::from_blob(path_rows, {n, KV, D}, options);
+          const auto path_v = at::from_blob(path_rows + T * KV * D, {n, KV, D}, options);
+          for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(path_rows + i * KV * D, k + chain.path[i] * KV * D, sizeof(bf16) * KV * D);
+            std::memcpy(path_rows + (T + i) * KV * D, qkv + chain.path[i] * QKV + (H + KV) * D, sizeof(bf16) * KV * D);
+          }
+          const auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
+          const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
+          quantize_kv(path_k, path_v, layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
+          const auto out = causal_attention_int8(at::from_blob(q + chain.first * H * D, {rows, H, D}, options), layer_keys,
+                                                 layer_values, layer_key_scales, layer_value_scales, start + chain.depth);
+          std::memcpy(attended + chain.first * H * D, out.data_ptr<bf16>(), sizeof(bf16) * rows * H * D);
+        } else {
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t head = 0; head < KV; ++head) {
+              const int64_t at = layer * keys.stride(0) + head * keys.stride(1) + (start + i) * D;
+              std::memcpy(key_base + at, k + (chain.path[i] * KV + head) * D, sizeof(bf16) * D);
+              std::memcpy(value_base + at, qkv + chain.path[i] * QKV + (H + KV + head) * D, sizeof(bf16) * D);
+            }
+          causal_attention_bf16_into(q + chain.first * H * D, rows, H, D, key_base + layer * keys.stride(0),
+                                     value_base + layer * keys.stride(0), KV, L, keys.stride(1), start + chain.depth,
+                                     attended + chain.first * H * D);
+        }
+      }
+    } else if (int8_cache) {  // kv.Int8KVCache: the loop below's calls, on views of the rows
       const auto options = at::TensorOptions().dtype(kBf16);
       const auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
       const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
@@ -608,7 +685,9 @@ std::vector<at::Tensor> decode_layers(
     const std::vector<int64_t>& group_starts, const std::vector<int64_t>& group_ends,
     const std::vector<int64_t>& group_keys, const std::vector<at::Tensor>& group_masks, bool our_attention, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, const std::vector<int64_t>& capture,
-    const std::optional<at::Tensor>& capture_into_arg, const std::vector<int64_t>& capture_columns) {
+    const std::optional<at::Tensor>& capture_into_arg, const std::vector<int64_t>& capture_columns,
+    const std::vector<int64_t>& tree_parents, const std::optional<at::Tensor>& saved_keys_arg,
+    const std::optional<at::Tensor>& saved_values_arg) {
   at::NoGradGuard no_grad;
   // capture_into: [T, K * C] bf16 rows, row stride free, column `capture_columns[i]` for capture[i]:
   // the captured states are written there (the DFlash drafter's rows) instead of returned.
@@ -624,6 +703,18 @@ std::vector<at::Tensor> decode_layers(
   }
   const int64_t layers = keys.size(0), T = x.size(0), H = num_heads, KV = num_kv_heads, D = head_dim;
   const bool qk_norm = !qk_norms.empty(), int8_cache = key_scales.numel() > 0;
+  // A draft tree (tree_chains): its rows' keys and values go to saved_keys/saved_values [layers, T,
+  // KV, D] (x's dtype), from which the caller writes the accepted path's into the cache.
+  const std::vector<TreeChain> chains = tree_parents.empty() ? std::vector<TreeChain>{} : tree_chains(tree_parents, T);
+  const at::Tensor saved_keys = saved_keys_arg.has_value() ? *saved_keys_arg : at::Tensor();
+  const at::Tensor saved_values = saved_values_arg.has_value() ? *saved_values_arg : at::Tensor();
+  if (!chains.empty()) {
+    TORCH_CHECK(our_attention || int8_cache, "decode_layers: a draft tree needs our attention kernels or an int8 cache");
+    for (const auto* saved : {&saved_keys, &saved_values})
+      TORCH_CHECK(saved->defined() && saved->is_contiguous() && saved->scalar_type() == x.scalar_type() &&
+                      saved->sizes() == at::IntArrayRef({layers, T, KV, D}),
+                  "decode_layers: a draft tree's saved keys and values must be contiguous [layers, T, KV, D] in x's dtype");
+  }
   // Our kernels' threads spin through the step only where every parallel loop of it is ours: torch's
   // own (dense linears, its attention) wake OpenMP threads, which would queue behind the spinners.
   const bool all_ours = our_attention && std::all_of(kinds.begin(), kinds.end(), [](int64_t kind) {
@@ -633,7 +724,8 @@ std::vector<at::Tensor> decode_layers(
   if (all_ours) awake.emplace();
   if (all_ours) {
     auto done = layers_without_aten(x, cos, sin, keys, values, key_scales, value_scales, start, norms, qk_norms, linear_tensors, kinds, has_bias,
-                                    out_features, H, KV, D, intermediate, eps, capture, capture_into, capture_columns);
+                                    out_features, H, KV, D, intermediate, eps, capture, capture_into, capture_columns,
+                                    chains, saved_keys, saved_values);
     if (done) return *done;
   }
   std::vector<at::Tensor> captured;
@@ -659,7 +751,30 @@ std::vector<at::Tensor> decode_layers(
     auto v = qkv.slice(1, H + KV);
     auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
     at::Tensor attended;
-    if (int8_cache) {
+    if (!chains.empty()) {  // a draft tree: each chain on its path's keys (tree_chains)
+      saved_keys.select(0, layer).copy_(k);
+      saved_values.select(0, layer).copy_(v);
+      if (!int8_cache) q = q.to(keys.scalar_type());
+      attended = at::empty(q.sizes(), q.options());
+      for (const auto& chain : chains) {
+        const auto path = at::tensor(chain.path, at::TensorOptions().dtype(at::kLong));
+        const int64_t n = chain.path.size();
+        const auto rows = q.slice(0, chain.first, chain.end);
+        at::Tensor part;
+        if (int8_cache) {
+          const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
+          quantize_kv(k.index_select(0, path), v.index_select(0, path), layer_keys, layer_values, layer_key_scales,
+                      layer_value_scales, start);
+          part = causal_attention_int8(rows.contiguous(), layer_keys, layer_values, layer_key_scales, layer_value_scales,
+                                       start + chain.depth);
+        } else {
+          layer_keys.slice(1, start, start + n).copy_(k.index_select(0, path).transpose(0, 1));
+          layer_values.slice(1, start, start + n).copy_(v.index_select(0, path).transpose(0, 1));
+          part = causal_attention(rows, layer_keys, layer_values, start + chain.depth);
+        }
+        attended.slice(0, chain.first, chain.end).copy_(part);
+      }
+    } else if (int8_cache) {
       const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
       quantize_kv(k, v, layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
       attended = causal_attention_int8(q, layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
@@ -895,5 +1010,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("kinds"), arg("has_bias"), arg("out_features"), arg("group_size"), arg("group_starts"),
         arg("group_ends"), arg("group_keys"), arg("group_masks"), arg("our_attention"), arg("num_heads"), arg("num_kv_heads"),
         arg("head_dim"), arg("intermediate"), arg("eps"), arg("capture"), arg("capture_into") = pybind11::none(),
-        arg("capture_columns") = std::vector<int64_t>{});
+        arg("capture_columns") = std::vector<int64_t>{}, arg("tree_parents") = std::vector<int64_t>{},
+        arg("saved_keys") = pybind11::none(), arg("saved_values") = pybind11::none());
 }
