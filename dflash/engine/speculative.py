@@ -230,6 +230,11 @@ class SpeculationMemory:
     def __init__(self, config: SpeculationConfig):
         self.config = config
         self.drafters: dict[str, tuple[int, int, int]] = {}  # name -> (block, pause left, pause length)
+        # name -> (row cost, proposal cost, kept, expected): what a drafter's steps cost on this CPU
+        # and how its probabilities bear out, which the text does not change much. Why: a tree's
+        # first step is sized before its rows are measured (UNMEASURED_ROW_COST), and where a row
+        # costs 0.4 plain steps (AVX2) a first tree of 10 rows cost each generation 3 steps.
+        self.costs: dict[str, tuple[float | None, float | None, float, float]] = {}
 
 
 class SpeculationPolicy:
@@ -270,6 +275,8 @@ class SpeculationPolicy:
             if self.memory is not None and name in self.memory.drafters:
                 state.block, pause, state.pause_length = self.memory.drafters[name]
                 state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
+            if self.memory is not None and name in self.memory.costs:
+                state.row_cost.value, state.proposal_cost.value, state.kept, state.expected = self.memory.costs[name]
         self.plain_seconds = _Ema(0.3)
         self.first_plain: list[float] = []  # the first PLAIN_SAMPLES plain steps; their fastest starts plain_seconds
         self.proposal_seconds = 0.0  # the last step's proposals (choose), the start of what record() is given
@@ -429,3 +436,4 @@ class SpeculationPolicy:
         if self.memory is not None:
             state = self.state[name]
             self.memory.drafters[name] = (state.block, state.pause, state.pause_length)
+            self.memory.costs[name] = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected)

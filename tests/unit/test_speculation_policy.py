@@ -358,3 +358,57 @@ def test_a_drafter_catching_its_context_up_is_not_charged_for_it():
     policy.record(chosen, len(draft), len(draft), 0.050 + 0.012)  # every draft accepted in 1.2 plain steps
     assert policy.state["ngram"].proposal_cost.value < 1.0  # not the 5 plain steps of the catch-up
     assert policy.choose([1, 2, 3])[0] is drafter and drafter.asked[-1] == 4  # paying: its block grows
+
+
+class TreeDrafter:
+    """Proposes the tree of LOGPROBS (test_draft_tree.py): rows 10 .5, 10-20 .45, 11 .3, 10-20-30 .27,
+    11-20 .27, 11-20-30 .162, 10-20-31 .135."""
+    name = "dflash"
+
+    def propose_tree(self, tokens, rows):
+        from tests.unit.test_draft_tree import IDS, LOGPROBS
+        from dflash.engine.speculative import best_first_tree
+
+        return best_first_tree(LOGPROBS, IDS, rows)
+
+
+def tree_policy(row_cost, proposal_cost=0.2, memory=None):
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7)
+    policy = SpeculationPolicy(config, {"dflash": TreeDrafter()}, memory, trees=True)
+    baseline(policy, 0.010)
+    state = policy.state["dflash"]
+    state.row_cost.value, state.proposal_cost.value = row_cost, proposal_cost
+    return policy, state
+
+
+def test_a_tree_is_as_large_as_its_rows_pay_for():
+    """Each row in the order chosen adds its path's probability to the tokens expected and a row's
+    cost, a row that opens a chain (a second child) two rows' cost: cheap rows take the whole tree,
+    dear ones the likeliest path only."""
+    policy, _ = tree_policy(row_cost=0.01)
+    assert len(policy.choose([1, 2])[1]) == 7
+    policy, _ = tree_policy(row_cost=0.25)
+    assert policy.choose([1, 2])[1].tokens == (10, 20)
+    # 11-20-30 (.162) pays a row; 10-20-31 (.135) would pay one too, but it opens a chain: two rows
+    policy, _ = tree_policy(row_cost=0.06)
+    assert policy.choose([1, 2])[1].tokens == (10, 20, 30, 11, 20, 30)
+
+
+def test_a_drafter_that_keeps_less_than_its_probabilities_say_gets_smaller_trees():
+    policy, state = tree_policy(row_cost=0.06)
+    for _ in range(10):
+        policy.record(TreeDrafter(), 3, 0, 0.015, rows=5, expected=2.0)
+    assert state.calibration() == 0.0
+    state.row_cost.value, state.proposal_cost.value = 0.06, 0.2  # as measured before
+    state.pause = 0
+    assert len(policy.choose([1, 2])[1]) == 1
+
+
+def test_what_a_drafters_rows_cost_carries_into_the_next_generation():
+    memory = SpeculationMemory(SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7))
+    policy, state = tree_policy(row_cost=None, memory=memory)
+    policy.record(TreeDrafter(), 2, 2, 0.02, rows=3, expected=1.0)
+    measured = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected)
+    assert measured[0] is not None
+    following = SpeculationPolicy(memory.config, {"dflash": TreeDrafter()}, memory, trees=True).state["dflash"]
+    assert (following.row_cost.value, following.proposal_cost.value, following.kept, following.expected) == measured
