@@ -164,6 +164,34 @@ class _Ema:
         self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
 
 
+class VerificationCost:
+    """A verification's cost past a plain step, in plain steps, as a line over its rows (a tree's
+    cost rows), fitted by least squares over the recent verifications (each weighing 0.9 of the
+    one after it).
+
+    Why: a cost per row (the cost over the rows) charges the part every verification pays,
+    whatever its rows, to each row: on int4 (AMX VM) 1 row costs ~0.17 plain steps more than a
+    step, 7 rows ~0.6 and 15 ~1.6, so one row seemed to cost 0.16 where the next costs 0.07, trees
+    came out smaller, and each smaller tree measured a dearer row."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # weight, x, y, x², xy
+
+    def add(self, rows: int, cost: float) -> None:
+        for i, term in enumerate((1.0, rows, cost, rows * rows, rows * cost)):
+            self.sums[i] = 0.9 * self.sums[i] + term
+
+    def line(self) -> tuple[float, float] | None:
+        """(the cost every verification pays, the cost of each row), or None before the rows have
+        varied enough to tell them apart."""
+        w, x, y, xx, xy = self.sums
+        spread = w * xx - x * x
+        if w < 2.0 or spread < 0.5 * w * w:  # rows varied by less than ~0.7 of a row
+            return None
+        slope = max((w * xy - x * y) / spread, 0.0)
+        return max((y - slope * x) / w, 0.0), slope
+
+
 class _DrafterState:
     """What the policy has measured of one drafter."""
 
@@ -184,6 +212,9 @@ class _DrafterState:
         # probabilities expected (DraftTree.expected) of the same verifications.
         self.kept = 0.0
         self.expected = 0.0
+        # A verification's cost over a plain step against its rows, as a line (VerificationCost):
+        # what a tree's next row costs is its slope.
+        self.verification = VerificationCost()
 
     def acceptance(self) -> float | None:
         return self.matched / self.tried if self.tried >= 4 else None
@@ -230,11 +261,11 @@ class SpeculationMemory:
     def __init__(self, config: SpeculationConfig):
         self.config = config
         self.drafters: dict[str, tuple[int, int, int]] = {}  # name -> (block, pause left, pause length)
-        # name -> (row cost, proposal cost, kept, expected): what a drafter's steps cost on this CPU
+        # name -> (row cost, proposal cost, kept, expected, VerificationCost sums): what a drafter's steps cost on this CPU
         # and how its probabilities bear out, which the text does not change much. Why: a tree's
         # first step is sized before its rows are measured (UNMEASURED_ROW_COST), and where a row
         # costs 0.4 plain steps (AVX2) a first tree of 10 rows cost each generation 3 steps.
-        self.costs: dict[str, tuple[float | None, float | None, float, float]] = {}
+        self.costs: dict[str, tuple] = {}
 
 
 class SpeculationPolicy:
@@ -276,7 +307,8 @@ class SpeculationPolicy:
                 state.block, pause, state.pause_length = self.memory.drafters[name]
                 state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
             if self.memory is not None and name in self.memory.costs:
-                state.row_cost.value, state.proposal_cost.value, state.kept, state.expected = self.memory.costs[name]
+                state.row_cost.value, state.proposal_cost.value, state.kept, state.expected, sums = self.memory.costs[name]
+                state.verification.sums = list(sums)
         self.plain_seconds = _Ema(0.3)
         self.first_plain: list[float] = []  # the first PLAIN_SAMPLES plain steps; their fastest starts plain_seconds
         self.proposal_seconds = 0.0  # the last step's proposals (choose), the start of what record() is given
@@ -336,9 +368,14 @@ class SpeculationPolicy:
             return len(tree)
         if not tree.probabilities:
             return min(state.block, len(tree))
-        measured = state.row_cost.value
-        scale, row_cost = state.calibration(), max(self.UNMEASURED_ROW_COST if measured is None else measured, 0.01)
-        fixed = 1.0 + max(state.proposal_cost.value, 0.0)
+        measured, line = state.row_cost.value, state.verification.line()
+        scale = state.calibration()
+        if line is not None:  # what every verification pays, and each row
+            verification, row_cost = line
+        else:
+            verification, row_cost = 0.0, self.UNMEASURED_ROW_COST if measured is None else measured
+        row_cost = max(row_cost, 0.01)
+        fixed = 1.0 + max(state.proposal_cost.value, 0.0) + verification
         # Rows in the order they were chosen (a row after its ancestors); a row whose parent has a
         # child already opens a chain, which costs about a row more (DraftTree.chains).
         best, best_rate, total, cost_rows, parents_with_child = 1, 0.0, 0.0, 0, set()
@@ -375,10 +412,18 @@ class SpeculationPolicy:
         if not self.config.adaptive:
             return
         state = self.state[drafter.name]
+        calibration = state.calibration()
         if expected is not None:
             state.kept = 0.9 * state.kept + accepted
             state.expected = 0.9 * state.expected + expected
-        state.tokens_per_second.add((accepted + 1) / max(seconds, 1e-9))
+        # A tree's step is credited the mean of the tokens it kept and of what the drafter's
+        # probabilities expected, scaled by how they bore out (the scale as it stood before this
+        # step). Why: kept tokens are a draw (a coding reply's drafter, τ ~3, keeps 0-1 of a tree
+        # now and then), and a probe after a pause is judged on one step: one such draw paused
+        # DFlash for the rest of a coding reply (auto, int4, AMX: a chat reply's pause carried in,
+        # then a probe that kept 1 paused it 128 steps). The expectation is a smoother estimate.
+        credited = accepted if expected is None else 0.5 * (accepted + calibration * expected)
+        state.tokens_per_second.add((credited + 1) / max(seconds, 1e-9))
         plain_rate = 1.0 / max(self.plain_seconds.value or seconds, 1e-9)
         state.matched = 0.9 * state.matched + accepted
         state.tried = 0.9 * state.tried + accepted + (accepted < proposed)
@@ -386,6 +431,7 @@ class SpeculationPolicy:
             proposal = min(self.proposal_seconds, seconds) / self.plain_seconds.value
             state.proposal_cost.add(proposal)
             state.row_cost.add((seconds / self.plain_seconds.value - proposal - 1.0) / max(rows, 1))
+            state.verification.add(rows, seconds / self.plain_seconds.value - proposal - 1.0)
         acceptance = state.acceptance()
         if acceptance is not None and state.row_cost.value is not None:
             # Enough measured: the block that pays best on this CPU (verification cost per row,
@@ -436,4 +482,5 @@ class SpeculationPolicy:
         if self.memory is not None:
             state = self.state[name]
             self.memory.drafters[name] = (state.block, state.pause, state.pause_length)
-            self.memory.costs[name] = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected)
+            self.memory.costs[name] = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected,
+                                       tuple(state.verification.sums))

@@ -408,7 +408,23 @@ def test_what_a_drafters_rows_cost_carries_into_the_next_generation():
     memory = SpeculationMemory(SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7))
     policy, state = tree_policy(row_cost=None, memory=memory)
     policy.record(TreeDrafter(), 2, 2, 0.02, rows=3, expected=1.0)
-    measured = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected)
-    assert measured[0] is not None
+    measured = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected, state.verification.sums)
+    assert measured[0] is not None and measured[4][0] == 1.0
     following = SpeculationPolicy(memory.config, {"dflash": TreeDrafter()}, memory, trees=True).state["dflash"]
-    assert (following.row_cost.value, following.proposal_cost.value, following.kept, following.expected) == measured
+    assert (following.row_cost.value, following.proposal_cost.value, following.kept, following.expected,
+            following.verification.sums) == measured
+
+
+def test_a_verifications_cost_is_a_line_over_its_rows():
+    """What every verification pays and what each row adds, told apart once the rows have varied: a
+    cost per row charged the first part to each row, so small trees measured dear rows."""
+    from dflash.engine.speculative import VerificationCost
+
+    cost = VerificationCost()
+    for rows in (1, 1, 1):
+        cost.add(rows, 0.17)
+    assert cost.line() is None  # one row count: nothing tells the parts apart
+    for rows in (3, 7, 15, 2, 9):
+        cost.add(rows, 0.1 + 0.07 * rows)
+    fixed, per_row = cost.line()
+    assert abs(per_row - 0.07) < 0.01 and abs(fixed - 0.1) < 0.03

@@ -393,11 +393,11 @@ class DFlashDrafter:
         logits = self._slot_logits(tokens, self.block_size - 1 if rows > 0 else 0)
         if logits is None:
             return DraftTree((), ())
-        logits = widen_to_fp32(logits)
-        top = logits.topk(min(self.TREE_CANDIDATES, rows, logits.shape[-1]), dim=-1)
-        logprobs = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        # softmax, then the top candidates: 0.2 ms for 7 x 16,384 where topk and logsumexp over the
+        # logits took 0.45 (int4 target, AMX VM, 2 threads; a plain int4 step is ~6 ms there)
+        top = torch.softmax(widen_to_fp32(logits), dim=-1).topk(min(self.TREE_CANDIDATES, rows, logits.shape[-1]), dim=-1)
         ids = top.indices if self.vocabulary is None else self.vocabulary[top.indices]
-        return best_first_tree(logprobs.tolist(), ids.tolist(), rows)
+        return best_first_tree(top.values.log().tolist(), ids.tolist(), rows)
 
     def _slot_logits(self, tokens: Sequence[int], max_tokens: int) -> Tensor | None:
         """The drafter's logits [drafts, vocabulary] for up to `max_tokens` drafts after the pending
