@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import attrs
 
@@ -82,13 +82,9 @@ class DraftTree:
 
     def chains(self) -> int:
         """Runs of rows each the child of the row before (model.tree_chains): a verification attends
-        each on its own, so each past the first costs about a row more (AMX: int4 ~0.1 plain
-        steps a chain, ~0.1 a row; bf16 ~0.03 and ~0.03)."""
+        each on its own, one more attention call a layer over the whole context for each past the
+        first (the engine's chain_cost)."""
         return sum(1 for row, parent in enumerate(self.parents, 1) if parent != row - 1) + (1 if self.parents else 0)
-
-    def cost_rows(self) -> int:
-        """What verifying this tree costs, in rows: its rows and a row for each chain past the first."""
-        return len(self) + max(self.chains() - 1, 0)
 
     def within(self, depth: int) -> "DraftTree":
         """The rows at most `depth` deep (a reply's last tokens), depth-first order kept."""
@@ -165,8 +161,8 @@ class _Ema:
 
 
 class VerificationCost:
-    """A verification's cost past a plain step, in plain steps, as a line over its rows (a tree's
-    cost rows), fitted by least squares over the recent verifications (each weighing 0.9 of the
+    """A verification's cost past a plain step, in plain steps, as a line over its rows (less a
+    tree's chains' own attention calls: Engine.chain_cost), fitted by least squares over the recent verifications (each weighing 0.9 of the
     one after it).
 
     Why: a cost per row (the cost over the rows) charges the part every verification pays,
@@ -289,12 +285,15 @@ class SpeculationPolicy:
     UNMEASURED_ROW_COST = 0.1
 
     def __init__(self, config: SpeculationConfig, drafters: dict[str, object], memory: SpeculationMemory | None = None,
-                 trees: bool = False):
+                 trees: bool = False, chain_cost: Callable[[], float] = lambda: 0.05):
         self.config = config
         self.drafters = drafters  # name -> drafter, in preference order for auto mode
         # Drafters that can propose a tree do (DraftTree), where the engine verifies trees and the
         # configuration asks for them; `block` then counts the tree's rows.
         self.trees = trees and config.draft_tree
+        # What one more attention call over the committed context costs, in plain steps (a tree's
+        # chain past the first): Engine.chain_cost, which grows with the context.
+        self.chain_cost = chain_cost
         # Slow start: a drafter begins with a short block (a failed probe then costs little) and
         # earns longer ones by having whole blocks accepted. Without adaptation: the full block.
         self.longest = {name: config.tree_rows if self._proposes_trees(drafter) else config.max_draft_tokens
@@ -376,15 +375,18 @@ class SpeculationPolicy:
             verification, row_cost = 0.0, self.UNMEASURED_ROW_COST if measured is None else measured
         row_cost = max(row_cost, 0.01)
         fixed = 1.0 + max(state.proposal_cost.value, 0.0) + verification
+        chain_cost = self.chain_cost()
         # Rows in the order they were chosen (a row after its ancestors); a row whose parent has a
-        # child already opens a chain, which costs about a row more (DraftTree.chains).
-        best, best_rate, total, cost_rows, parents_with_child = 1, 0.0, 0.0, 0, set()
+        # child already opens a chain, one more attention call (DraftTree.chains): at 7K of
+        # context with int4 weights and the int8 cache a chain cost 0.4 plain steps where a row
+        # cost 0.1 (AMX VM), so deep in a conversation trees keep to fewer chains.
+        best, best_rate, total, cost, parents_with_child = 1, 0.0, 0.0, fixed, set()
         for k, row in enumerate(sorted(range(len(tree)), key=tree.ranks.__getitem__), 1):
             total += tree.probabilities[row]
             parent = tree.parents[row]
-            cost_rows += 2 if parent in parents_with_child else 1
+            cost += row_cost + (chain_cost if parent in parents_with_child else 0.0)
             parents_with_child.add(parent)
-            rate = (1.0 + scale * total) / (fixed + row_cost * cost_rows)
+            rate = (1.0 + scale * total) / cost
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -403,10 +405,10 @@ class SpeculationPolicy:
         self.plain_seconds.add(seconds)
 
     def record(self, drafter, proposed: int, accepted: int, seconds: float, rows: int | None = None,
-               expected: float | None = None) -> None:
+               expected: float | None = None, chains: int = 1) -> None:
         """A verification step: `proposed` drafts deep (a tree's depth), `accepted` of them kept,
-        `rows` draft rows verified (a tree's; default `proposed`, a chain's), `expected` what the
-        tree's probabilities expected kept (DraftTree.expected)."""
+        `rows` draft rows verified (a tree's; default `proposed`, a chain's) in `chains` chains,
+        `expected` what the tree's probabilities expected kept (DraftTree.expected)."""
         rows = proposed if rows is None else rows
         seconds = self._without_catch_up(seconds)
         if not self.config.adaptive:
@@ -430,8 +432,10 @@ class SpeculationPolicy:
         if self.plain_seconds.value:
             proposal = min(self.proposal_seconds, seconds) / self.plain_seconds.value
             state.proposal_cost.add(proposal)
-            state.row_cost.add((seconds / self.plain_seconds.value - proposal - 1.0) / max(rows, 1))
-            state.verification.add(rows, seconds / self.plain_seconds.value - proposal - 1.0)
+            # what the rows cost: the verification past a plain step, less its chains' own calls
+            rows_part = seconds / self.plain_seconds.value - proposal - 1.0 - self.chain_cost() * (chains - 1)
+            state.row_cost.add(rows_part / max(rows, 1))
+            state.verification.add(rows, rows_part)
         acceptance = state.acceptance()
         if acceptance is not None and state.row_cost.value is not None:
             # Enough measured: the block that pays best on this CPU (verification cost per row,

@@ -101,3 +101,17 @@ def test_a_constrained_generation_proposes_chains():
     drafters = engine.drafters()
     assert SpeculationPolicy(engine.speculation, drafters, trees=engine.verifies_trees).trees
     assert not SpeculationPolicy(engine.speculation, drafters, trees=False).trees
+
+
+def test_a_chain_costs_more_the_deeper_the_context():
+    """One more attention call reads the cache once more: its share of a decode step's reads
+    (weights and cache, as bytes) grows with the committed context."""
+    model = target_model("int4", "auto")
+    _, engine = engines(model, 8)
+    assert engine.chain_cost() == pytest.approx(Engine.ATTENTION_CALL)
+    engine.kv.length = 64
+    cache = 64 * engine.kv_bytes_per_token
+    assert engine.chain_cost() == pytest.approx(Engine.ATTENTION_CALL + cache / (engine.weight_bytes + cache))
+    engine.kv.length = 120
+    assert engine.chain_cost() > Engine.ATTENTION_CALL + cache / (engine.weight_bytes + cache)
+    engine.kv.length = 0

@@ -372,9 +372,9 @@ class TreeDrafter:
         return best_first_tree(LOGPROBS, IDS, rows)
 
 
-def tree_policy(row_cost, proposal_cost=0.2, memory=None):
+def tree_policy(row_cost, proposal_cost=0.2, memory=None, chain_cost=0.05):
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7)
-    policy = SpeculationPolicy(config, {"dflash": TreeDrafter()}, memory, trees=True)
+    policy = SpeculationPolicy(config, {"dflash": TreeDrafter()}, memory, trees=True, chain_cost=lambda: chain_cost)
     baseline(policy, 0.010)
     state = policy.state["dflash"]
     state.row_cost.value, state.proposal_cost.value = row_cost, proposal_cost
@@ -383,15 +383,19 @@ def tree_policy(row_cost, proposal_cost=0.2, memory=None):
 
 def test_a_tree_is_as_large_as_its_rows_pay_for():
     """Each row in the order chosen adds its path's probability to the tokens expected and a row's
-    cost, a row that opens a chain (a second child) two rows' cost: cheap rows take the whole tree,
-    dear ones the likeliest path only."""
-    policy, _ = tree_policy(row_cost=0.01)
+    cost, a row that opens a chain (a second child) a chain's cost too: cheap rows take the whole
+    tree, dear ones the likeliest path only, and deep in a context (dear chains) the first chain."""
+    policy, _ = tree_policy(row_cost=0.01, chain_cost=0.01)
     assert len(policy.choose([1, 2])[1]) == 7
     policy, _ = tree_policy(row_cost=0.25)
     assert policy.choose([1, 2])[1].tokens == (10, 20)
-    # 11-20-30 (.162) pays a row; 10-20-31 (.135) would pay one too, but it opens a chain: two rows
-    policy, _ = tree_policy(row_cost=0.06)
+    # 11-20-30 (.162) pays a row; 10-20-31 (.135) would pay one too, but it opens a chain
+    policy, _ = tree_policy(row_cost=0.06, chain_cost=0.06)
     assert policy.choose([1, 2])[1].tokens == (10, 20, 30, 11, 20, 30)
+    policy, _ = tree_policy(row_cost=0.06, chain_cost=0.0)
+    assert len(policy.choose([1, 2])[1]) == 7
+    policy, _ = tree_policy(row_cost=0.01, chain_cost=1.0)
+    assert policy.choose([1, 2])[1].tokens == (10, 20)
 
 
 def test_a_drafter_that_keeps_less_than_its_probabilities_say_gets_smaller_trees():
