@@ -8,7 +8,7 @@ process on a shared VM does not inflate the way it inflates wall time (memory ba
 shared); with more threads, wall time.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/step.py [--weights bf16,int8,int4] [--threads 1]
-        [--contexts 1024,16384]
+        [--contexts 1024,16384] [--tree-chains 3,7]
     DFLASH_NATIVE=0 ... bench/step.py      # the Python decode loop, for comparison
 """
 
@@ -50,15 +50,29 @@ def fill(model, kv, context: int) -> None:
     kv.length = context
 
 
-def best_ms(model, kv, context: int, rows: int, repeats: int, clock) -> float:
+def best_ms(model, kv, context: int, rows: int, repeats: int, clock, parents: list[int] | None = None) -> float:
+    """With `parents`, the rows are a draft tree's (model.TreeRows): its chains attended one by one."""
+    from dflash.engine.model import TreeRows
+
     tokens = torch.arange(200, 200 + rows)
     fastest = float("inf")
     for _ in range(repeats):
         kv.length = context
+        tree = None if parents is None else TreeRows.of(parents, model.args, model.dtype, model.device)
         started = clock()
-        model(tokens, context, kv, logits_positions=None)
+        model(tokens, context, kv, logits_positions=None, **({} if tree is None else {"tree": tree}))
         fastest = min(fastest, clock() - started)
     return fastest * 1000
+
+
+def tree_of_chains(rows: int, chains: int) -> list[int]:
+    """Parents of a draft tree of `rows` rows (the pending token's included): `chains` chains of
+    equal length hanging off the pending token, the rest of the rows added to the last."""
+    parents, per = [-1], (rows - 1) // chains
+    for chain in range(chains):
+        for i in range(per if chain < chains - 1 else rows - 1 - per * (chains - 1)):
+            parents.append(0 if i == 0 else len(parents) - 1)
+    return parents
 
 
 def main() -> None:
@@ -69,20 +83,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--contexts", default="256", help="context lengths, comma-separated")
     parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="[model] kv_cache")
+    parser.add_argument("--tree-chains", default="",
+                        help="also 1+15 rows as one chain and as a draft tree of this many chains (comma-separated)")
     args = parser.parse_args()
+    trees = [int(c) for c in args.tree_chains.split(",") if c]
     contexts = [int(c) for c in args.contexts.split(",")]
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     rows = []
     for weights in args.weights.split(","):
-        loaded = load(args.model, weights, args.threads, max(contexts) + 8, args.kv_cache)
+        loaded = load(args.model, weights, args.threads, max(contexts) + 16, args.kv_cache)
         model = loaded.engine.model
-        kv = model.new_kv_cache(max(contexts) + 8)
+        kv = model.new_kv_cache(max(contexts) + 16)
         for context in contexts:
             fill(model, kv, context)
             best_ms(model, kv, context, 8, 3, clock)  # warm-up
             one = min(best_ms(model, kv, context, 1, args.repeats, clock) for _ in range(2))
             eight = min(best_ms(model, kv, context, 8, args.repeats, clock) for _ in range(2))
-            rows.append((weights, context, one, eight))
+            sixteen = [min(best_ms(model, kv, context, 16, args.repeats, clock, tree_of_chains(16, chains))
+                           for _ in range(2)) for chains in ([1] + trees if trees else [])]
+            rows.append((weights, context, one, eight, sixteen))
         del loaded, model, kv
     try:
         from dflash.engine.native import extension
@@ -95,13 +114,15 @@ def main() -> None:
     measure = "thread CPU time" if args.threads == 1 else "wall time"
     print(f"\ncpu={cpu_kind()}  threads={args.threads} ({measure})  decode loop={loop}  "
           f"torch {torch.__version__}  load {os.getloadavg()[0]:.2f}")
-    print("| weights | context | decode step | tok/s equivalent | vs the first context | verify 1+7 rows | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    tree_columns = "".join(f" 1+15 rows, {c} chains |" for c in [1] + trees) if trees else ""
+    print("| weights | context | decode step | tok/s equivalent | vs the first context | verify 1+7 rows | ratio |"
+          + tree_columns)
+    print("|---|---|---|---|---|---|---|" + "---|" * len(tree_columns.split("|")[:-1]))
     first = {}
-    for weights, context, one, eight in rows:
+    for weights, context, one, eight, sixteen in rows:
         first.setdefault(weights, one)
         print(f"| {weights} | {context} | {one:.1f} ms | {1000 / one:.1f} | {first[weights] / one:.0%} | {eight:.1f} ms "
-              f"| {eight / one:.2f}x |")
+              f"| {eight / one:.2f}x |" + "".join(f" {ms:.1f} ms ({ms / one:.2f}x) |" for ms in sixteen))
 
 
 if __name__ == "__main__":
