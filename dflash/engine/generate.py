@@ -7,6 +7,7 @@ engine ready for the next one.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Literal, Sequence
 
@@ -89,11 +90,6 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = model.args.vocab_size
         self.kv = model.new_kv_cache(max_ctx)
-        # bytes a decode step reads: the weights (parameters and buffers: quantized codes and
-        # scales), and the cache's keys and values (with their scales) per committed token
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        self.kv_bytes_per_token = sum(t[:, :, :1].numel() * t.element_size() for t in (
-            [self.kv.keys, self.kv.values] + ([self.kv.key_scales, self.kv.value_scales] if self.kv.quantized else [])))
         self.prefix_reuse = PrefixReuse(
             self.kv,
             # (`is None`, not `or`: an empty cache has len() 0 and is falsy)
@@ -136,8 +132,18 @@ class Engine:
         """What one more attention call over the committed context costs, in plain steps (a draft
         tree's chain past the first): a decode step reads the weights once and the cache once, so a
         second read of the cache costs its share of the two, as bytes."""
-        cache = self.kv_bytes_per_token * self.kv.length
-        return self.ATTENTION_CALL + cache / (self.weight_bytes + cache)
+        weights, per_token = self._step_bytes
+        cache = per_token * self.kv.length
+        return self.ATTENTION_CALL + cache / max(weights + cache, 1)
+
+    @functools.cached_property
+    def _step_bytes(self) -> tuple[int, int]:
+        """Bytes a decode step of our Transformer reads: the weights (parameters and buffers:
+        quantized codes and scales), and the cache's keys and values (with their scales) a token."""
+        kv = self.kv
+        tensors = [kv.keys, kv.values] + ([kv.key_scales, kv.value_scales] if kv.quantized else [])
+        return (sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+                sum(t[:, :, :1].numel() * t.element_size() for t in tensors))
 
     def forward_tree(self, tree: DraftTree, pending: int) -> tuple[torch.Tensor, TreeRows]:
         """Append the pending token and a draft tree's rows after the committed ones (Transformer.forward's

@@ -109,9 +109,11 @@ def test_a_chain_costs_more_the_deeper_the_context():
     model = target_model("int4", "auto")
     _, engine = engines(model, 8)
     assert engine.chain_cost() == pytest.approx(Engine.ATTENTION_CALL)
+    weights, per_token = engine._step_bytes
+    assert per_token == 2 * model.args.num_layers * model.args.num_kv_heads * model.args.head_dim * 2  # bf16 keys, values
     engine.kv.length = 64
-    cache = 64 * engine.kv_bytes_per_token
-    assert engine.chain_cost() == pytest.approx(Engine.ATTENTION_CALL + cache / (engine.weight_bytes + cache))
+    cache = 64 * per_token
+    assert engine.chain_cost() == pytest.approx(Engine.ATTENTION_CALL + cache / (weights + cache))
     engine.kv.length = 120
-    assert engine.chain_cost() > Engine.ATTENTION_CALL + cache / (engine.weight_bytes + cache)
+    assert engine.chain_cost() > Engine.ATTENTION_CALL + cache / (weights + cache)
     engine.kv.length = 0
