@@ -122,7 +122,7 @@ def main() -> None:
         "auto": (SpeculationConfig(drafter="auto", max_draft_tokens=block, tree_rows=rows), drafter),
     }
     if args.chain:  # DFlash's modes again, proposing the chain of its first choices instead of a tree
-        modes |= {f"{mode} (chain)": (attrs.evolve(config, draft_tree=False), mode_drafter)
+        modes |= {f"{mode} (chain)": (attrs.evolve(config, tree_rows=0), mode_drafter)
                   for mode, (config, mode_drafter) in list(modes.items()) if mode_drafter is not None}
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
           f"draft={'random weights' if not args.draft else args.draft} tree_rows={rows}")

@@ -53,7 +53,7 @@ def main() -> None:
         for shape, rows in shapes:
             verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens,
                                                  vocabulary=vocabulary, eos_token_ids=loaded.engine.eos_token_ids,
-                                                 draft_tree=rows > 0, tree_rows=rows or None)
+                                                 tree_rows=rows)
             taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
             mean = sum(taus.values()) / len(taus)
             print(f"| {folder} | {shape} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |",

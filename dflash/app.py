@@ -81,8 +81,7 @@ def speculation_settings(spec):
     from dflash.engine.speculative import SpeculationConfig
 
     return SpeculationConfig(drafter=spec.drafter, max_draft_tokens=spec.max_draft_tokens, ngram_min=spec.ngram_min,
-                             ngram_max=spec.ngram_max, adaptive=spec.adaptive, draft_tree=spec.tree_rows > 0,
-                             tree_rows=max(spec.tree_rows, 1))
+                             ngram_max=spec.ngram_max, adaptive=spec.adaptive, tree_rows=spec.tree_rows)
 
 
 def compression_settings(prefill):

@@ -448,13 +448,12 @@ def tree_chains(parents: Sequence[int]) -> list[TreeChain]:
     path would (decode_layers.cpp's tree_chains does the same)."""
     if not parents or parents[0] != -1:
         raise ValueError(f"a draft tree's row 0 has no parent (-1), got parents {list(parents)}")
-    depth = [0] * len(parents)
+    for t, parent in enumerate(parents[1:], 1):
+        if not 0 <= parent < t:
+            raise ValueError(f"row {t}'s parent {parent} is not a row before it")
+    depth = tree_depths(parents)
     chains: list[list] = []
     for t, parent in enumerate(parents):
-        if t > 0 and not 0 <= parent < t:
-            raise ValueError(f"row {t}'s parent {parent} is not a row before it")
-        if t > 0:
-            depth[t] = depth[parent] + 1
         if t > 0 and parent == t - 1:
             chains[-1][1] = t + 1
             chains[-1][3].append(t)
@@ -485,6 +484,7 @@ class TreeRows:
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each row's depth below the pending token (row 0) of a draft tree's parents (tree_chains)."""
     depth = [0] * len(parents)
     for t in range(1, len(parents)):
         depth[t] = depth[parents[t]] + 1

@@ -37,8 +37,7 @@ class SpeculationConfig:
     ngram_max: int = 4
     adaptive: bool = True
     # DFlash proposes a tree of its most likely continuations instead of one chain (DraftTree), of
-    # at most tree_rows rows (its depth stays within the block)
-    draft_tree: bool = True
+    # at most tree_rows rows (its depth stays within the block); 0: the chain of its first choices
     tree_rows: int = 15
 
 
@@ -104,16 +103,6 @@ class DraftTree:
         pick = lambda values: tuple(values[i] for i in keep) if values else ()  # noqa: E731
         return DraftTree(pick(self.tokens), tuple(row[self.parents[i]] for i in keep), pick(self.probabilities),
                          pick(self.ranks))
-
-    def chain(self) -> list[int]:
-        """Chain 0: the first child of each row from the pending token down."""
-        tokens, row = [], 0
-        for i, parent in enumerate(self.parents):
-            if parent != row:
-                break
-            tokens.append(self.tokens[i])
-            row = i + 1
-        return tokens
 
 
 def best_first_tree(logprobs: Sequence[Sequence[float]], ids: Sequence[Sequence[int]], rows: int) -> DraftTree:
@@ -290,7 +279,7 @@ class SpeculationPolicy:
         self.drafters = drafters  # name -> drafter, in preference order for auto mode
         # Drafters that can propose a tree do (DraftTree), where the engine verifies trees and the
         # configuration asks for them; `block` then counts the tree's rows.
-        self.trees = trees and config.draft_tree
+        self.trees = trees and config.tree_rows > 0
         # What one more attention call over the committed context costs, in plain steps (a tree's
         # chain past the first): Engine.chain_cost, which grows with the context.
         self.chain_cost = chain_cost
@@ -433,7 +422,9 @@ class SpeculationPolicy:
             proposal = min(self.proposal_seconds, seconds) / self.plain_seconds.value
             state.proposal_cost.add(proposal)
             # what the rows cost: the verification past a plain step, less its chains' own calls
-            rows_part = seconds / self.plain_seconds.value - proposal - 1.0 - self.chain_cost() * (chains - 1)
+            rows_part = seconds / self.plain_seconds.value - proposal - 1.0
+            if chains > 1:
+                rows_part -= self.chain_cost() * (chains - 1)
             state.row_cost.add(rows_part / max(rows, 1))
             state.verification.add(rows, rows_part)
         acceptance = state.acceptance()

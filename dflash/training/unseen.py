@@ -103,27 +103,25 @@ def slot_hit_rates(steps: list[tuple[int, int]], slots: int) -> list[float | Non
 
 
 def full_block_engine(target, draft, max_ctx: int = 2048, vocabulary: Sequence[int] | None = None,
-                      eos_token_ids: Sequence[int] = (), draft_tree: bool = False, tree_rows: int | None = None):
+                      eos_token_ids: Sequence[int] = (), tree_rows: int = 0):
     """An Engine on `target` whose DFlash drafter (`draft`, proposing from `vocabulary`'s ids where
     given) drafts a full block at every step, with no adaptive policy: what τ is measured with.
     Its drafter (`engine.dflash_drafter`) holds the target's captured rows of what it decoded.
-    `draft_tree`: each step verifies a tree of block - 1 rows (speculative.DraftTree, as served)
-    instead of the chain of the drafter's first choices (what training measures); `tree_rows`
-    rows (default block - 1, as many as the chain's)."""
+    `tree_rows` > 0: each step verifies a tree of that many rows (speculative.DraftTree, as served)
+    instead of the chain of the drafter's first choices (0: what training measures)."""
     from dflash.engine.drafters.dflash import DFlashDrafter
     from dflash.engine.generate import Engine
     from dflash.engine.speculative import SpeculationConfig
 
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False,
-                               draft_tree=draft_tree, tree_rows=tree_rows or draft.config.block_size - 1)
+                               tree_rows=tree_rows)
     return Engine(target, max_ctx=max_ctx, speculation=config, eos_token_ids=eos_token_ids,
                   dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary))
 
 
 def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048,
                          vocabulary: Sequence[int] | None = None,
-                         eos_token_ids: Sequence[int] = (), draft_tree: bool = False,
-                         tree_rows: int | None = None) -> dict[str, list[tuple[int, int]]]:
+                         eos_token_ids: Sequence[int] = (), tree_rows: int = 0) -> dict[str, list[tuple[int, int]]]:
     """Per prompt type, every verification step's (drafts proposed, drafts accepted), decoding each
     prompt greedily with `draft` proposing a full block every step (from `vocabulary`'s ids only,
     where given: a draft vocabulary); the draft is not changed.
@@ -136,7 +134,7 @@ def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: in
 
     was_training = draft.training
     draft.eval()
-    engine = full_block_engine(target, draft, max_ctx, vocabulary, eos_token_ids, draft_tree, tree_rows)
+    engine = full_block_engine(target, draft, max_ctx, vocabulary, eos_token_ids, tree_rows)
     result: dict[str, list[tuple[int, int]]] = {}
     try:
         with torch.no_grad():

@@ -188,8 +188,8 @@ def test_a_draft_vocabulary_limits_the_drafts_and_greedy_stays_plain_greedy(targ
     propose, propose_tree = drafter.propose, drafter.propose_tree
     drafter.propose = lambda tokens, n: proposed.extend(out := propose(tokens, n)) or out
     drafter.propose_tree = lambda tokens, n: proposed.extend((out := propose_tree(tokens, n)).tokens) or out
-    for tree in (True, False):  # a tree's every candidate, and a chain
-        engine.speculation = attrs.evolve(config, draft_tree=tree)
+    for rows in (7, 0):  # a tree's every candidate, and a chain
+        engine.speculation = attrs.evolve(config, tree_rows=rows)
         generation = engine.start(prompt, SamplingParams(), 24)
         assert generation.run() == plain
         assert proposed and set(proposed) <= set(vocabulary)

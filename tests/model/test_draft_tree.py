@@ -2,6 +2,7 @@
 decode step of its path gets, so the output is plain greedy's, and the path kept leaves the KV cache,
 the drafter's rows and the committed tokens as plain decoding would have."""
 
+import attrs
 import pytest
 import torch
 
@@ -89,18 +90,20 @@ def test_the_drafters_own_trees_decode_plain_greedy_and_seeded_sampling(weights)
         tree_engine.dflash_drafter.propose_tree = lambda tokens, rows: trees.append(out := propose_tree(tokens, rows)) or out
         generation = tree_engine.start(PROMPT, sampling, 32)
         assert generation.run() == plain
-        assert trees and any(tree.chain() != list(tree.tokens) for tree in trees)  # branched trees were verified
+        assert trees and any(tree.chains() > 1 for tree in trees)  # branched trees were verified
         del tree_engine.dflash_drafter.propose_tree
 
 
 def test_a_constrained_generation_proposes_chains():
-    from dflash.engine.speculative import SpeculationPolicy
+    """A grammar's matcher checks drafts as a chain (Generation._decode_one)."""
+    from dflash.engine.generate import Generation
 
     model = target_model("int4", "auto")
     _, engine = engines(model, 8)
-    drafters = engine.drafters()
-    assert SpeculationPolicy(engine.speculation, drafters, trees=engine.verifies_trees).trees
-    assert not SpeculationPolicy(engine.speculation, drafters, trees=False).trees
+    assert Generation(engine, PROMPT, SamplingParams(), 4).speculation.trees
+    assert not Generation(engine, PROMPT, SamplingParams(), 4, constraint=object()).speculation.trees
+    engine.speculation = attrs.evolve(engine.speculation, tree_rows=0)
+    assert not Generation(engine, PROMPT, SamplingParams(), 4).speculation.trees
 
 
 def test_a_chain_costs_more_the_deeper_the_context():

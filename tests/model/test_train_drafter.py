@@ -324,7 +324,7 @@ def test_unseen_verifications_are_every_verification_of_the_run(tiny_target):
     draft = random_draft_model(draft_config(target.args, 1, 4, (0, 2), choose_mask_token(tiny_target.tokenizer)))
     verifications = unseen_verifications(target, tiny_target.tokenizer, draft, tokens=12)
     assert set(verifications) == set(UNSEEN_PROMPTS)
-    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False, draft_tree=False)  # chains, as measured
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False, tree_rows=0)  # chains, as measured
     engine = Engine(target, max_ctx=2048, speculation=config, dflash_drafter=DFlashDrafter(draft, target, 2048))
     for kind, conversations in UNSEEN_PROMPTS.items():
         totals = [0, 0, 0]

@@ -94,7 +94,6 @@ def test_tree_rows_reach_the_engine_and_zero_means_chains():
     from dflash.app import speculation_settings
     from dflash.config import SpeculativeConfig
 
-    assert speculation_settings(SpeculativeConfig()).draft_tree and speculation_settings(SpeculativeConfig()).tree_rows == 15
-    chains = speculation_settings(SpeculativeConfig(tree_rows=0))
-    assert not chains.draft_tree and chains.tree_rows == 1
+    assert speculation_settings(SpeculativeConfig()).tree_rows == 15
+    assert speculation_settings(SpeculativeConfig(tree_rows=0)).tree_rows == 0
     assert speculation_settings(SpeculativeConfig(tree_rows=6)).tree_rows == 6

@@ -25,7 +25,7 @@ def test_the_likeliest_paths_make_the_tree_first_choices_first():
     assert tree.ranks == (0, 1, 3, 6, 2, 4, 5)
     assert tree.probabilities == pytest.approx((0.5, 0.45, 0.27, 0.135, 0.3, 0.27, 0.162))
     assert tree.expected() == pytest.approx(2.087)
-    assert tree.chain() == [10, 20, 30] and tree.depth == 3 and tree.depths() == [1, 2, 3, 3, 1, 2, 3]
+    assert tree.chains() == 3 and tree.depth == 3 and tree.depths() == [1, 2, 3, 3, 1, 2, 3]
     assert shape(best_first_tree(LOGPROBS, IDS, 3)) == ((10, 20, 11), (0, 1, 0))
     assert shape(best_first_tree(LOGPROBS, IDS, 1)) == ((10,), (0,))
     assert len(best_first_tree(LOGPROBS, IDS, 0)) == 0
