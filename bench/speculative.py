@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--interleave", action="store_true",
                         help="the sets' prompts take turns within each mode's round (chat, coding, chat, ...), "
                              "as a server's replies may, instead of each set's rounds one after another")
+    parser.add_argument("--modes", help="which modes to run, comma-separated (default: all); plain always runs, first, "
+                                        "as the baseline. Fewer modes put a mode's runs closer to plain's on a VM "
+                                        "whose speed drifts")
     parser.add_argument("--prompts", default="code editing,chat,coding",
                         help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
                              "tool prompt, from dflash/training/unseen.py)")
@@ -124,6 +127,12 @@ def main() -> None:
     if args.chain:  # DFlash's modes again, proposing the chain of its first choices instead of a tree
         modes |= {f"{mode} (chain)": (attrs.evolve(config, tree_rows=0), mode_drafter)
                   for mode, (config, mode_drafter) in list(modes.items()) if mode_drafter is not None}
+    if args.modes:
+        wanted = ["plain"] + [mode.strip() for mode in args.modes.split(",") if mode.strip() != "plain"]
+        unknown = [mode for mode in wanted if mode not in modes]
+        if unknown:
+            raise SystemExit(f"--modes: unknown {unknown}; the modes are {list(modes)}")
+        modes = {mode: modes[mode] for mode in wanted}
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
           f"draft={'random weights' if not args.draft else args.draft} tree_rows={rows}")
     print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
