@@ -237,8 +237,10 @@ class SpeculationMemory:
     Why: a generation starts knowing nothing, so each one probed every drafter afresh; where a
     verification costs several decode steps (AVX2: 1+7 rows ~4x a step) those probes made auto
     slower than plain on chat. A drafter that did not pay last time starts the next generation
-    paused for the rest of its pause, at most CARRIED_PAUSE steps, so one that pays on other text
-    (n-gram on a code edit after chat) loses few steps.
+    paused for the rest of its pause, at most CARRIED_PAUSE steps for a probe that costs
+    FULL_PAUSE_PROBE_COST plain steps and proportionally more for a dearer one (a failed probe then
+    costs at most ~1% of the steps it waits for), so one that pays on other text (n-gram on a code
+    edit after chat) loses few steps.
     """
 
     CARRIED_PAUSE = 64
@@ -291,16 +293,18 @@ class SpeculationPolicy:
                                           self.PAUSE_STEPS) for name in drafters}
         self.memory = memory if memory is not None and memory.config == config and config.adaptive else None
         for name, state in self.state.items():
-            if self.memory is not None and name in self.memory.drafters:
-                state.block, pause, state.pause_length = self.memory.drafters[name]
-                state.pause = min(pause, SpeculationMemory.CARRIED_PAUSE)
             if self.memory is not None and name in self.memory.costs:
                 state.row_cost.value, state.proposal_cost.value, state.kept, state.expected, sums = self.memory.costs[name]
                 state.verification.sums = list(sums)
+            if self.memory is not None and name in self.memory.drafters:
+                state.block, pause, state.pause_length = self.memory.drafters[name]
+                state.pause = min(pause, self._carried_pause(state))  # after the costs: it weighs them
         self.plain_seconds = _Ema(0.3)
         self.first_plain: list[float] = []  # the first PLAIN_SAMPLES plain steps; their fastest starts plain_seconds
         self.proposal_seconds = 0.0  # the last step's proposals (choose), the start of what record() is given
-        self.catch_up_seconds = 0.0  # of this step's proposals: drafters' contexts catching up
+        # Of this step's time, what is no cost of the step measured: drafters' contexts catching up,
+        # and declined proposals (_decline), which are measured on their own.
+        self.unmeasured_seconds = 0.0
 
     def choose(self, tokens: Sequence[int]) -> tuple[object | None, list[int]]:
         """The drafter for this step and its proposal; (None, []) means take a plain step."""
@@ -328,16 +332,23 @@ class SpeculationPolicy:
         started = time.perf_counter()
         for _, _, name, drafter in ready:
             state = self.state[name]
+            asked = time.perf_counter()
             if self._proposes_trees(drafter):
                 draft = drafter.propose_tree(tokens, self.longest[name])
-                draft = draft.first(self._tree_rows(state, draft))
+                rows = self._tree_rows(state, draft) if draft else 0
+                if draft and rows == 0:  # verifying no part of it would pay: a plain step instead
+                    self._decline(name, time.perf_counter() - asked - getattr(drafter, "catch_up_seconds", 0.0))
+                    started = time.perf_counter()
+                    draft = None
+                else:
+                    draft = draft.first(rows)
             else:
                 draft = drafter.propose(tokens, state.block)
             # A drafter's context catching up (DFlashDrafter.catch_up_seconds) is no cost of this
             # step's: left out of every measurement of it, plain or speculative.
-            self.catch_up_seconds += getattr(drafter, "catch_up_seconds", 0.0)
+            self.unmeasured_seconds += getattr(drafter, "catch_up_seconds", 0.0)
             if draft:
-                self.proposal_seconds = time.perf_counter() - started - self.catch_up_seconds  # every proposal this step asked for
+                self.proposal_seconds = time.perf_counter() - started - self.unmeasured_seconds  # every proposal this step asked for
                 return drafter, draft
         return None, []
 
@@ -369,23 +380,44 @@ class SpeculationPolicy:
         # child already opens a chain, one more attention call (DraftTree.chains): at 7K of
         # context with int4 weights and the int8 cache a chain cost 0.4 plain steps where a row
         # cost 0.1 (AMX VM), so deep in a conversation trees keep to fewer chains.
-        best, best_rate, total, cost, parents_with_child = 1, 0.0, 0.0, fixed, set()
+        # The proposal is paid by the time the tree is sized: the verification goes ahead where some
+        # k makes it pay on its own (its tokens against its cost past the proposal), else the step
+        # is plain (0). Why: a DFlash probe after a pause on chat, unsure of every slot, cost 2.5
+        # plain steps for 1.1 tokens (int4, AMX VM), where the proposal alone is half a step.
+        best, best_rate, pays, total, cost, parents_with_child = 1, 0.0, False, 0.0, fixed, set()
+        proposal = max(state.proposal_cost.value, 0.0)
         for k, row in enumerate(sorted(range(len(tree)), key=tree.ranks.__getitem__), 1):
             total += tree.probabilities[row]
             parent = tree.parents[row]
             cost += row_cost + (chain_cost if parent in parents_with_child else 0.0)
             parents_with_child.add(parent)
             rate = (1.0 + scale * total) / cost
+            pays = pays or 1.0 + scale * total >= cost - proposal
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best if pays else 0
 
-    def _without_catch_up(self, seconds: float) -> float:
-        seconds, self.catch_up_seconds = max(seconds - self.catch_up_seconds, 1e-6), 0.0
+    def _decline(self, name: str, seconds: float) -> None:
+        """A proposal whose verification would not pay (_tree_rows): the step is plain, and for the
+        drafter it yielded one token in a plain step and the proposal's `seconds`; that is judged as
+        a verification's rate is (record), so declines pause a drafter as failed probes do."""
+        state = self.state[name]
+        plain = self.plain_seconds.value
+        self.unmeasured_seconds += seconds  # not the plain step's cost
+        state.proposal_cost.add(seconds / plain)
+        state.tokens_per_second.add(1.0 / (plain + seconds))
+        if state.tokens_per_second.value < 1.0 / plain:
+            state.pause = self._pause_steps(state)
+            state.pause_length = min(2 * state.pause_length, self.MAX_PAUSE_STEPS)
+            state.tokens_per_second.value = 1.0 / plain
+        self._remember(name)
+
+    def _measured(self, seconds: float) -> float:
+        seconds, self.unmeasured_seconds = max(seconds - self.unmeasured_seconds, 1e-6), 0.0
         return seconds
 
     def record_plain(self, seconds: float) -> None:
-        seconds = self._without_catch_up(seconds)
+        seconds = self._measured(seconds)
         if len(self.first_plain) < self.PLAIN_SAMPLES:
             self.first_plain.append(seconds)
             if len(self.first_plain) == self.PLAIN_SAMPLES:
@@ -399,7 +431,7 @@ class SpeculationPolicy:
         `rows` draft rows verified (a tree's; default `proposed`, a chain's) in `chains` chains,
         `expected` what the tree's probabilities expected kept (DraftTree.expected)."""
         rows = proposed if rows is None else rows
-        seconds = self._without_catch_up(seconds)
+        seconds = self._measured(seconds)
         if not self.config.adaptive:
             return
         state = self.state[drafter.name]
@@ -454,15 +486,30 @@ class SpeculationPolicy:
             state.pause, state.pause_length = 0, self.PAUSE_STEPS  # it pays (a confident proposal in a pause too)
         self._remember(drafter.name)
 
+    def _probe_cost(self, state: _DrafterState) -> float | None:
+        """What a probe of this drafter costs past a plain step, in plain steps (None: unmeasured)."""
+        if state.row_cost.value is None:
+            return None
+        return max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * state.block
+
+    def _carried_pause(self, state: _DrafterState) -> int:
+        """The most of a pause a generation takes over from the one before (SpeculationMemory). Why
+        it grows with the probe's cost: a DFlash probe cost ~1.4 plain steps past the step it replaced
+        (int4, AMX VM) and ~3 with the AVX2 kernels, and one per 64 steps made auto on chat 2-4%
+        slower than plain decoding."""
+        probe = self._probe_cost(state)
+        scale = 1.0 if probe is None else max(1.0, probe / self.FULL_PAUSE_PROBE_COST)
+        return round(SpeculationMemory.CARRIED_PAUSE * scale)
+
     def _pause_steps(self, state: _DrafterState) -> int:
         """The plain steps before the next probe: pause_length for a probe that costs
         FULL_PAUSE_PROBE_COST plain steps or more (a DFlash forward and its rows), proportionally
         fewer for a cheaper one. Why: a failed n-gram probe of one draft costs a tenth of a step on
         AMX, and the 16 steps it paused for were the text where the copy resumed (code editing: a
         renamed argument, then 12 plain steps through lines the n-gram drafter had right)."""
-        if state.row_cost.value is None:
+        probe = self._probe_cost(state)
+        if probe is None:
             return state.pause_length
-        probe = max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * state.block
         return max(1, round(state.pause_length * min(1.0, probe / self.FULL_PAUSE_PROBE_COST)))
 
     def _could_pay(self, state: _DrafterState, longest: int) -> bool:

@@ -133,12 +133,26 @@ def test_a_drafter_that_did_not_pay_starts_the_next_generation_paused():
     probes made auto slower than plain), but its pause is capped so one paying elsewhere soon returns."""
     config = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
     memory = SpeculationMemory(config)
-    first = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.030)
+    # each failed probe 0.4 plain steps past a plain step: the cap is CARRIED_PAUSE
+    first = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.014)
     assert first[0] == SpeculationPolicy.PLAIN_SAMPLES  # probed right after the baseline steps
-    second = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.030)
+    second = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 200, lambda n: 0, 0.014)
     assert second and second[0] > SpeculationMemory.CARRIED_PAUSE // 2 and second[0] <= SpeculationMemory.CARRIED_PAUSE + SpeculationPolicy.PLAIN_SAMPLES
-    fresh = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}), 200, lambda n: 0, 0.030)
+    fresh = generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}), 200, lambda n: 0, 0.014)
     assert fresh[0] == SpeculationPolicy.PLAIN_SAMPLES  # without memory: as before
+
+
+def test_a_dearer_probe_carries_a_longer_pause_into_the_next_generation():
+    """A failed probe costing 2 plain steps past a plain one waits 4x CARRIED_PAUSE steps into the
+    next generation (a DFlash probe on chat: ~1.4 steps on AMX, ~3 with AVX2 kernels), so that
+    probing costs about as small a share of the steps as a cheap probe's does."""
+    config = SpeculationConfig(drafter="ngram", max_draft_tokens=8)
+    memory = SpeculationMemory(config)
+    for _ in range(3):
+        generation(SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory), 300, lambda n: 0, 0.030)
+    policy = SpeculationPolicy(config, {"ngram": ScriptedDrafter()}, memory)
+    assert policy._probe_cost(policy.state["ngram"]) > 1.5
+    assert policy.state["ngram"].pause > SpeculationMemory.CARRIED_PAUSE * 3
 
 
 def test_a_drafter_that_paid_starts_the_next_generation_with_its_block():
@@ -399,13 +413,33 @@ def test_a_tree_is_as_large_as_its_rows_pay_for():
 
 
 def test_a_drafter_that_keeps_less_than_its_probabilities_say_gets_smaller_trees():
+    sizes = {}
+    for kept in (2.0, 0.5):
+        policy, state = tree_policy(row_cost=0.06)
+        for _ in range(10):
+            policy.record(TreeDrafter(), 3, kept, 0.015, rows=5, expected=2.0)
+        assert abs(state.calibration() - kept / 2.0) < 1e-9
+        state.row_cost.value, state.proposal_cost.value = 0.06, 0.2  # as measured before
+        state.pause = 0
+        sizes[kept] = len(policy.choose([1, 2])[1])
+    assert 1 <= sizes[0.5] < sizes[2.0]
+
+
+def test_a_tree_whose_verification_would_not_pay_is_declined_and_the_drafter_paused():
+    """The proposal is paid when the tree is sized; where no part of the tree is likely enough to
+    pay for its own verification the step is plain, the proposal's time is measured as the
+    drafter's cost and not the plain step's, and the drafter pauses as after a failed probe."""
     policy, state = tree_policy(row_cost=0.06)
-    for _ in range(10):
+    for _ in range(10):  # its drafts never kept
         policy.record(TreeDrafter(), 3, 0, 0.015, rows=5, expected=2.0)
-    assert state.calibration() == 0.0
-    state.row_cost.value, state.proposal_cost.value = 0.06, 0.2  # as measured before
-    state.pause = 0
-    assert len(policy.choose([1, 2])[1]) == 1
+    state.row_cost.value, state.proposal_cost.value, state.pause = 0.06, 0.2, 0
+    state.tokens_per_second.value = 1 / 0.010  # neutral: as fast as plain steps
+    assert policy.choose([1, 2]) == (None, [])
+    assert state.pause > 0 and policy.unmeasured_seconds > 0
+    policy.record_plain(0.010 + policy.unmeasured_seconds)
+    assert abs(policy.plain_seconds.value - 0.010) < 1e-6 and policy.unmeasured_seconds == 0.0
+    pause = state.pause
+    assert policy.choose([1, 2]) == (None, []) and state.pause == pause - 1  # paused: not even proposed
 
 
 def test_what_a_drafters_rows_cost_carries_into_the_next_generation():
