@@ -332,7 +332,7 @@ class DFlashDrafter:
             if ids[0] < 0 or ids[-1] >= target.args.vocab_size:
                 raise DraftLoadError(f"draft vocabulary ids {ids[0]}..{ids[-1]} outside the target's {target.args.vocab_size}")
             self.vocabulary = torch.tensor(ids, dtype=torch.long, device=device)
-            self.head = head_rows(target.lm_head, self.vocabulary)
+            self.head = head_rows(target.lm_head, self.vocabulary, int8=draft.native_arguments() is not None)
 
     @property
     def block_size(self) -> int:
@@ -430,13 +430,16 @@ class DFlashDrafter:
         self.rows[start : start + len(positions)] = self.rows[positions]
 
 
-def head_rows(head: nn.Module, ids: Tensor) -> nn.Module:
+def head_rows(head: nn.Module, ids: Tensor, int8: bool = False) -> nn.Module:
     """The LM head `head` restricted to the output rows `ids`: int8 where the target's is quantized
-    (its rows dequantized and quantized again: a draft needs no more), else the rows as they are."""
+    (its rows dequantized and quantized again: a draft needs no more) or where `int8` asks for it
+    (a drafter whose layers run in int8: loading.serving_draft), else the rows as they are."""
     from dflash.engine.quant import Int8Linear, QuantizedLinear
 
     if isinstance(head, QuantizedLinear):
         return Int8Linear(head.dequantized(torch.float32)[ids], None)
+    if int8:
+        return Int8Linear(head.weight[ids], None)
     rows = Linear(head.in_features, len(ids), bias=False, device=head.weight.device, dtype=head.weight.dtype)
     with torch.no_grad():
         rows.weight.copy_(head.weight[ids])
