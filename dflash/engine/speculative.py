@@ -338,7 +338,6 @@ class SpeculationPolicy:
                 rows = self._tree_rows(state, draft) if draft else 0
                 if draft and rows == 0:  # verifying no part of it would pay: a plain step instead
                     self._decline(name, time.perf_counter() - asked - getattr(drafter, "catch_up_seconds", 0.0))
-                    started = time.perf_counter()
                     draft = None
                 else:
                     draft = draft.first(rows)

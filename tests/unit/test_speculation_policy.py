@@ -442,6 +442,29 @@ def test_a_tree_whose_verification_would_not_pay_is_declined_and_the_drafter_pau
     assert policy.choose([1, 2]) == (None, []) and state.pause == pause - 1  # paused: not even proposed
 
 
+def test_a_declined_proposal_is_not_charged_to_the_drafter_that_proposes_after_it():
+    """auto: DFlash asks first and declines its tree; the n-gram drafter's proposal then is this
+    step's, and its cost is its own, not the declined forward's too."""
+
+    class SlowTreeDrafter(TreeDrafter):
+        def propose_tree(self, tokens, rows):
+            time.sleep(0.02)
+            return super().propose_tree(tokens, rows)
+
+    config = SpeculationConfig(drafter="auto", max_draft_tokens=7, tree_rows=7)
+    ngram = ScriptedDrafter()
+    policy = SpeculationPolicy(config, {"ngram": ngram, "dflash": SlowTreeDrafter()}, trees=True)
+    baseline(policy, 0.010)
+    dflash = policy.state["dflash"]
+    dflash.row_cost.value, dflash.proposal_cost.value = 0.06, 0.2
+    dflash.kept, dflash.expected = 0.0, 10.0  # its probabilities never bear out: every tree declined
+    dflash.tokens_per_second.value = 1e6  # measured fastest: asks first
+    policy.state["ngram"].tokens_per_second.value = 100.0
+    chosen, draft = policy.choose([1, 2, 3])
+    assert chosen is ngram and draft
+    assert 0.0 <= policy.proposal_seconds < 0.01 and policy.unmeasured_seconds >= 0.02
+
+
 def test_what_a_drafters_rows_cost_carries_into_the_next_generation():
     memory = SpeculationMemory(SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7))
     policy, state = tree_policy(row_cost=None, memory=memory)
