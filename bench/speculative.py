@@ -68,6 +68,23 @@ def run(engine, prompt_ids, tokens):
     return generation.output, len(generation.output) / max(s.decode_ms / 1000, 1e-9), s.acceptance_length
 
 
+def round_rates(runs: list, rounds: int) -> list[float]:
+    """A mode's mean decode rate in each round (its runs are in round order, as many each round)."""
+    per = len(runs) // rounds
+    return [statistics.mean(r[1] for r in runs[i * per : (i + 1) * per]) for i in range(rounds)]
+
+
+def ratio_spread(ratios: list[float]) -> str:
+    """The middle half of the rounds' ratios to plain: a mode and plain measured in the same round
+    ran minutes apart at most, so on a VM whose speed drifts this says how far one run's ratio can
+    be trusted (with fewer than 4 rounds: their range)."""
+    ordered = sorted(ratios)
+    if len(ordered) < 4:
+        return f"{ordered[0]:.2f}–{ordered[-1]:.2f}"
+    q = statistics.quantiles(ordered, n=4)
+    return f"{q[0]:.2f}–{q[2]:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
@@ -135,8 +152,8 @@ def main() -> None:
         modes = {mode: modes[mode] for mode in wanted}
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
           f"draft={'random weights' if not args.draft else args.draft} tree_rows={rows}")
-    print("| prompts | mode | decode tok/s | τ | vs plain | identical |")
-    print("|---|---|---|---|---|---|")
+    print("| prompts | mode | decode tok/s | τ | vs plain | per round: middle half | identical |")
+    print("|---|---|---|---|---|---|---|")
     user = lambda prompts: [[{"role": "user", "content": p}] for p in prompts]  # noqa: E731
     sets = {"code editing": ("(a) code editing", user(CODE_EDITING)), "chat": ("(b) chat", user(CHAT)),
             "coding": ("(c) coding", user(CODING)), "tool use": ("(d) tool use", UNSEEN_PROMPTS["tool use"])}
@@ -161,15 +178,18 @@ def main() -> None:
                             engine.rollback(0)
                             results[label][mode].append(run(engine, ids[label][i], args.tokens))
         for label in labels:  # each set's rows as soon as they are measured
-            baseline_rate, baseline_out = None, None
+            baseline_rate, baseline_out, baseline_rounds = None, None, None
             for mode, runs in results[label].items():
                 outputs = [r[0] for r in runs]
                 rate = statistics.mean(r[1] for r in runs)
                 tau = statistics.mean(r[2] for r in runs)
+                per_round = round_rates(runs, args.rounds)
                 if baseline_rate is None:
-                    baseline_rate, baseline_out = rate, outputs
+                    baseline_rate, baseline_out, baseline_rounds = rate, outputs, per_round
                 same = "yes" if outputs == baseline_out else "NO"
-                print(f"| {label} | {mode} | {rate:.1f} | {tau:.2f} | {rate / baseline_rate:.2f}x | {same} |", flush=True)
+                spread = ratio_spread([r / b for r, b in zip(per_round, baseline_rounds)])
+                print(f"| {label} | {mode} | {rate:.1f} | {tau:.2f} | {rate / baseline_rate:.2f}x | {spread} | {same} |",
+                      flush=True)
     engine.speculation, engine.dflash_drafter = attrs.evolve(SpeculationConfig()), None
 
 
