@@ -361,7 +361,8 @@ class SpeculationPolicy:
         plain steps. So the tree is as large as this step's drafts are likely: few rows where the
         drafter is unsure (chat), more where it is sure, fewer where rows cost more (int4 against
         bf16 weights). Until a row's cost is measured it is taken as UNMEASURED_ROW_COST: a tree
-        needs no slow start, its size following its drafts' probabilities from the first step."""
+        needs no slow start, its size following its drafts' probabilities from the first step.
+        0 where no k makes the verification pay on its own (the step is then plain: _decline)."""
         if not self.config.adaptive:
             return len(tree)
         if not tree.probabilities:
@@ -406,10 +407,14 @@ class SpeculationPolicy:
         state.proposal_cost.add(seconds / plain)
         state.tokens_per_second.add(1.0 / (plain + seconds))
         if state.tokens_per_second.value < 1.0 / plain:
-            state.pause = self._pause_steps(state)
-            state.pause_length = min(2 * state.pause_length, self.MAX_PAUSE_STEPS)
-            state.tokens_per_second.value = 1.0 / plain
+            self._pause(state, 1.0 / plain)
         self._remember(name)
+
+    def _pause(self, state: _DrafterState, plain_rate: float) -> None:
+        """Pause a drafter measured slower than plain steps, the next pause twice as long."""
+        state.pause = self._pause_steps(state)
+        state.pause_length = min(2 * state.pause_length, self.MAX_PAUSE_STEPS)
+        state.tokens_per_second.value = plain_rate  # probe again from neutral after the pause
 
     def _measured(self, seconds: float) -> float:
         seconds, self.unmeasured_seconds = max(seconds - self.unmeasured_seconds, 1e-6), 0.0
@@ -478,9 +483,7 @@ class SpeculationPolicy:
             state.tokens_per_second.value = max(state.tokens_per_second.value, plain_rate)
             state.pause, state.pause_length = 0, self.PAUSE_STEPS
         elif state.tokens_per_second.value < plain_rate:
-            state.pause = self._pause_steps(state)
-            state.pause_length = min(2 * state.pause_length, self.MAX_PAUSE_STEPS)
-            state.tokens_per_second.value = plain_rate  # probe again from neutral after the pause
+            self._pause(state, plain_rate)
         else:
             state.pause, state.pause_length = 0, self.PAUSE_STEPS  # it pays (a confident proposal in a pause too)
         self._remember(drafter.name)
