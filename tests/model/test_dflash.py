@@ -294,3 +294,16 @@ def test_the_proposal_bench_drives_the_drafter_as_the_engine_does(target):
     tokens = [i % 100 for i in range(CONTEXT)] + [5]  # the committed tokens and the pending one
     drafts = proposal(drafter, rows, tokens)()
     assert len(drafts) == drafter.block_size - 1 and all(0 <= t < 128 for t in drafts)
+
+
+@pytest.mark.parametrize("dtype,weights", [("bfloat16", "bf16"), ("float32", "fp32"), ("bfloat16", "int4")])
+def test_the_served_drafter_is_int8_where_our_kernels_run_with_bf16_activations(dtype, weights):
+    """loading.serving_draft: int8 linears (its layers then one C++ call) on a quantized target, and
+    on a bf16 one where our int8 kernels run; fp32 activations keep the checkpoint's linears."""
+    from dflash.engine.loading import SHIPPED_DRAFTERS, serving_draft
+    from dflash.engine.quant import Int8Linear, kernels
+
+    draft = serving_draft(SHIPPED_DRAFTERS["embedded:smollm2-135m-instruct"], dtype, weights)
+    int8 = weights == "int4" or (dtype == "bfloat16" and kernels() == "int8-dot")
+    assert isinstance(draft.layers[0].mlp.down_proj, Int8Linear) == int8
+    assert isinstance(draft.fc, Int8Linear) == int8
