@@ -318,7 +318,7 @@ class SpeculationPolicy:
             # copied): a pause earned on other text cost a code echo 16 plain steps (Zen 4).
             if state.pause > 0 and not sure:
                 state.pause -= 1
-                self._remember(name)
+                self._remember(name, costs=False)  # a paused drafter's costs do not change
             else:
                 ready.append((not sure, index, name, drafter))
         # A drafter sure of its proposal asks first, then the fastest measured one (one never
@@ -333,19 +333,18 @@ class SpeculationPolicy:
         for _, _, name, drafter in ready:
             state = self.state[name]
             asked = time.perf_counter()
-            if self._proposes_trees(drafter):
-                draft = drafter.propose_tree(tokens, self.longest[name])
-                rows = self._tree_rows(state, draft) if draft else 0
-                if draft and rows == 0:  # verifying no part of it would pay: a plain step instead
-                    self._decline(name, time.perf_counter() - asked - getattr(drafter, "catch_up_seconds", 0.0))
-                    draft = None
-                else:
-                    draft = draft.first(rows)
-            else:
-                draft = drafter.propose(tokens, state.block)
+            tree = self._proposes_trees(drafter)
+            draft = drafter.propose_tree(tokens, self.longest[name]) if tree else drafter.propose(tokens, state.block)
             # A drafter's context catching up (DFlashDrafter.catch_up_seconds) is no cost of this
             # step's: left out of every measurement of it, plain or speculative.
-            self.unmeasured_seconds += getattr(drafter, "catch_up_seconds", 0.0)
+            catch_up = getattr(drafter, "catch_up_seconds", 0.0)
+            self.unmeasured_seconds += catch_up
+            if tree and draft:
+                rows = self._tree_rows(state, draft)
+                if rows == 0:  # verifying no part of it would pay: a plain step instead
+                    self._decline(name, time.perf_counter() - asked - catch_up)
+                    continue
+                draft = draft.first(rows)
             if draft:
                 self.proposal_seconds = time.perf_counter() - started - self.unmeasured_seconds  # every proposal this step asked for
                 return drafter, draft
@@ -374,7 +373,8 @@ class SpeculationPolicy:
         else:
             verification, row_cost = 0.0, self.UNMEASURED_ROW_COST if measured is None else measured
         row_cost = max(row_cost, 0.01)
-        fixed = 1.0 + max(state.proposal_cost.value, 0.0) + verification
+        proposal = max(state.proposal_cost.value, 0.0)
+        fixed = 1.0 + proposal + verification
         chain_cost = self.chain_cost()
         # Rows in the order they were chosen (a row after its ancestors); a row whose parent has a
         # child already opens a chain, one more attention call (DraftTree.chains): at 7K of
@@ -385,7 +385,6 @@ class SpeculationPolicy:
         # is plain (0). Why: a DFlash probe after a pause on chat, unsure of every slot, cost 2.5
         # plain steps for 1.1 tokens (int4, AMX VM), where the proposal alone is half a step.
         best, best_rate, pays, total, cost, parents_with_child = 1, 0.0, False, 0.0, fixed, set()
-        proposal = max(state.proposal_cost.value, 0.0)
         for k, row in enumerate(sorted(range(len(tree)), key=tree.ranks.__getitem__), 1):
             total += tree.probabilities[row]
             parent = tree.parents[row]
@@ -522,9 +521,10 @@ class SpeculationPolicy:
         cost = 1.0 + max(state.proposal_cost.value, 0.0) + max(state.row_cost.value, 0.0) * longest
         return tokens_per_verification(1.0, longest) / cost >= 1.0
 
-    def _remember(self, name: str) -> None:
+    def _remember(self, name: str, costs: bool = True) -> None:
         if self.memory is not None:
             state = self.state[name]
             self.memory.drafters[name] = (state.block, state.pause, state.pause_length)
-            self.memory.costs[name] = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected,
-                                       tuple(state.verification.sums))
+            if costs:
+                self.memory.costs[name] = (state.row_cost.value, state.proposal_cost.value, state.kept, state.expected,
+                                           tuple(state.verification.sums))
