@@ -21,7 +21,7 @@ from dflash.engine.pflash import PromptCompressor, Span, kept_boundaries
 from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.prefix_reuse import PrefixReuse
 from dflash.engine.sampling import Sampler
-from dflash.engine.model import Transformer, TreeRows
+from dflash.engine.model import KEY_CHUNK, Transformer, TreeRows
 from dflash.engine.speculative import DraftTree, SpeculationConfig, SpeculationMemory, SpeculationPolicy
 from dflash.sampling_params import SamplingParams
 
@@ -127,13 +127,22 @@ class Engine:
     # An attention call's own cost past its reads, in plain steps (AMX VM, 512 of context: a chain
     # past the first 0.09 int4 steps, 0.03 bf16, of which reading the cache is ~0.06 and ~0.04)
     ATTENTION_CALL = 0.03
+    # A chain's own cost past its reads where all of a tree's chains are attended in one call
+    # (AMX VM, int4, 2 threads: 14 chains more cost 0.01-0.16 steps with 32 keys in the tree's chunk)
+    CHAIN_IN_ONE_CALL = 0.005
 
     def chain_cost(self) -> float:
-        """What one more attention call over the committed context costs, in plain steps (a draft
-        tree's chain past the first): a decode step reads the weights once and the cache once, so a
-        second read of the cache costs its share of the two, as bytes."""
+        """What one more chain of a draft tree costs past the first, in plain steps. A decode step
+        reads the weights once and the cache once, so a chain's reads of the cache cost their share
+        of the two, as bytes. The native loop attends all chains in one call (attend_tree), which
+        reads the chunks of keys below the tree once for them all: a chain reads again only the
+        keys of the chunk the tree starts in (AMX VM, int4, bench/step.py twice: 14 chains more cost
+        0.24-0.34 steps at 240 of context and 0.18-0.39 at 1000, modelled 0.33 and 0.31). Chain by
+        chain (model.py), each reads the whole cache and pays a call."""
         weights, per_token = self._step_bytes
         cache = per_token * self.kv.length
+        if self.model.attends_trees_in_one_call(self.kv):
+            return self.CHAIN_IN_ONE_CALL + per_token * (self.kv.length % KEY_CHUNK) / max(weights + cache, 1)
         return self.ATTENTION_CALL + cache / max(weights + cache, 1)
 
     @functools.cached_property

@@ -424,6 +424,10 @@ class Attention(nn.Module):
 # straddle a multiple of it is two calls, a prefill chunk one call per multiple it spans.
 KEY_BUCKET = 32
 
+# Keys per partial of our attention kernels (causal_attention.cpp's kChunk): a draft tree's chains
+# share the chunks wholly below the tree, and each reads the chunk the tree starts in on its own.
+KEY_CHUNK = 256
+
 
 @attrs.frozen
 class RowGroup:
@@ -602,6 +606,13 @@ class Transformer(nn.Module):
             self._native_arguments = native_layer_arguments(self)
         return self._native_arguments
 
+    def attends_trees_in_one_call(self, kv: KVCache) -> bool:
+        """Whether a draft tree's chains are attended in one native call that reads the chunks of
+        keys below the tree once for them all (causal_attention.cpp, attend_tree), rather than one
+        causal call a chain over the whole cache (Attention.forward's tree path)."""
+        return (native_extension() is not None and self.device.type == "cpu"
+                and (attention_kernels() == "ours" or kv.quantized))
+
     def _linears_rows_invariant(self) -> bool:
         """Whether every decoder linear runs on our int8/int4 kernels, which compute a row the same
         way whatever the rows beside it (quantized_linear.cpp)."""
@@ -666,7 +677,7 @@ class Transformer(nn.Module):
         causal = attention_mask is None
         rows_invariant = T <= FEW_ROWS or self._linears_rows_invariant()
         native = native_extension() if causal and rows_invariant and x.device.type == "cpu" else None
-        if tree is not None and not ours:
+        if tree is not None and not self.attends_trees_in_one_call(kv):
             native = None  # the native loop attends a tree's chains with our kernels only
         C = self.args.hidden_size
         into_natively = (capture_into is not None and native is not None and capture_into.dtype == torch.bfloat16

@@ -32,16 +32,18 @@ def target_model(weights: str, cache: str):
     return model
 
 
-def engines(model, tokens: int):
+def engines(model, tokens: int, max_ctx: int = 128):
     """Plain greedy (with a drafter capturing rows, never asked) and tree-verifying DFlash."""
     draft = random_draft_model(tiny_config(block_size=8), seed=3, dtype=torch.bfloat16)
-    plain = Engine(model, max_ctx=128, prefill_chunk=8, dflash_drafter=DFlashDrafter(draft, model, 128))
+    chunk = 8 if max_ctx <= 128 else 64
+    plain = Engine(model, max_ctx=max_ctx, prefill_chunk=chunk, dflash_drafter=DFlashDrafter(draft, model, max_ctx))
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=7, adaptive=False)
-    tree = Engine(model, max_ctx=128, prefill_chunk=8, speculation=config, dflash_drafter=DFlashDrafter(draft, model, 128))
+    tree = Engine(model, max_ctx=max_ctx, prefill_chunk=chunk, speculation=config,
+                  dflash_drafter=DFlashDrafter(draft, model, max_ctx))
     return plain, tree
 
 
-def oracle_trees(engine, expected: list[int]):
+def oracle_trees(engine, expected: list[int], prompt: list[int] = PROMPT):
     """The drafter proposes trees whose first chain is wrong and whose second holds the next tokens
     of `expected` (a sibling wrong again under it): every step keeps a path off chain 0."""
     drafter = engine.dflash_drafter
@@ -49,7 +51,7 @@ def oracle_trees(engine, expected: list[int]):
     def propose_tree(tokens, rows):
         if drafter.length != len(tokens) - 1:
             return DraftTree((), ())
-        p = len(tokens) - len(PROMPT)
+        p = len(tokens) - len(prompt)
         right = (expected + [0] * 8)[p : p + 3]
         wrong = [(t + 1) % 128 for t in right]
         return DraftTree((wrong[0], right[1], right[0], wrong[1], right[1], right[2]), (0, 1, 0, 3, 3, 5))
@@ -79,6 +81,29 @@ def test_a_path_off_the_first_chain_leaves_what_plain_decoding_leaves(weights, c
     assert torch.equal(tree_engine.dflash_drafter.rows[:length], plain_engine.dflash_drafter.rows[:length])
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+@pytest.mark.parametrize("prompt_length", [240, 530])
+def test_trees_past_the_first_chunk_of_keys_leave_what_plain_decoding_leaves(weights, prompt_length):
+    """The attention kernel cuts keys into chunks of 256 positions: a tree's rows share the partials
+    of the chunks wholly below its first position and attend the rest chain by chain (attend_tree).
+    Trees before, across and after a chunk's end (240 + 24 tokens), and with two shared chunks
+    (tests/model/test_native.py compares the kernel with the chain-by-chain one, fp32 included)."""
+    if extension() is None:
+        pytest.skip("needs the native extension")
+    model = target_model(weights, "auto")
+    prompt = [(7 * i + 3) % 120 for i in range(prompt_length)]
+    plain_engine, tree_engine = engines(model, 24, max_ctx=prompt_length + 64)
+    plain = plain_engine.start(prompt, SamplingParams(), 24).run()
+    oracle_trees(tree_engine, plain, prompt)
+    generation = tree_engine.start(prompt, SamplingParams(), 24)
+    assert generation.run() == plain
+    assert generation.stats.accepted_tokens >= 2 * generation.stats.verification_steps - 2  # the second chain, kept
+    length = plain_engine.kv.length
+    assert tree_engine.kv.length == length
+    for name in ("keys", "values"):
+        assert torch.equal(getattr(tree_engine.kv, name)[:, :, :length], getattr(plain_engine.kv, name)[:, :, :length]), name
+
+
 @pytest.mark.parametrize("weights", ["int4", "bf16"])
 def test_the_drafters_own_trees_decode_plain_greedy_and_seeded_sampling(weights):
     model = target_model(weights, "auto")
@@ -106,17 +131,24 @@ def test_a_constrained_generation_proposes_chains():
     assert not Generation(engine, PROMPT, SamplingParams(), 4).speculation.trees
 
 
-def test_a_chain_costs_more_the_deeper_the_context():
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_chain_costs_more_the_deeper_the_context(one_call, monkeypatch):
     """One more attention call reads the cache once more: its share of a decode step's reads
-    (weights and cache, as bytes) grows with the committed context."""
+    (weights and cache, as bytes) grows with the committed context. Where a tree's chains are
+    attended in one call, a chain reads again only the keys of the chunk (KEY_CHUNK) the tree
+    starts in."""
+    if one_call and extension() is None:
+        pytest.skip("needs the native extension")
+    if not one_call:
+        monkeypatch.setattr(model_module, "native_extension", lambda: None)
     model = target_model("int4", "auto")
-    _, engine = engines(model, 8)
-    assert engine.chain_cost() == pytest.approx(Engine.ATTENTION_CALL)
+    _, engine = engines(model, 8, max_ctx=640)
+    assert model.attends_trees_in_one_call(engine.kv) == one_call
+    own = Engine.CHAIN_IN_ONE_CALL if one_call else Engine.ATTENTION_CALL
+    assert engine.chain_cost() == pytest.approx(own)
     weights, per_token = engine._step_bytes
     assert per_token == 2 * model.args.num_layers * model.args.num_kv_heads * model.args.head_dim * 2  # bf16 keys, values
-    engine.kv.length = 64
-    cache = 64 * per_token
-    assert engine.chain_cost() == pytest.approx(Engine.ATTENTION_CALL + cache / (weights + cache))
-    engine.kv.length = 120
-    assert engine.chain_cost() > Engine.ATTENTION_CALL + cache / (weights + cache)
+    for length, read in ((64, 64), (120, 120), (600, 600 - model_module.KEY_CHUNK * 2 if one_call else 600)):
+        engine.kv.length = length
+        assert engine.chain_cost() == pytest.approx(own + read * per_token / (weights + length * per_token))
     engine.kv.length = 0

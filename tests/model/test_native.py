@@ -123,3 +123,41 @@ def test_native_silu_product_is_silu_times_up_rounded_as_torch_rounds(width, mon
     assert torch.equal(extension().silu_product(gate_up), out)
     with pytest.raises(RuntimeError, match="silu_product: expected bf16"):
         extension().silu_product(gate_up.float())
+
+
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int4"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_a_draft_tree_in_one_attention_call_equals_the_python_chain_by_chain_bit_for_bit(architecture, weights, cache,
+                                                                                        monkeypatch):
+    """decode_layers attends a tree's chains in one call (attend_tree: the chunks of 256 keys wholly
+    below the tree shared by its rows); model.py attends them one causal call each."""
+    from dflash.engine.model import TreeRows
+
+    if cache == "int8" and not extension().int8_kv_available():
+        pytest.skip("an int8 cache needs AVX512-VNNI")
+    model = ours_from_hf(tiny_hf_model(architecture), dtype=torch.float32 if weights == "fp32" else torch.bfloat16)
+    quantize_linears(model, weights)
+    model.kv_cache = cache
+    torch.manual_seed(8)
+    tokens = torch.randint(0, 128, (560,))
+    kv = model.new_kv_cache(600)
+    model(tokens[:540], 0, kv)
+    names = ("keys", "values") + (("key_scales", "value_scales") if cache == "int8" else ())
+    state = {name: getattr(kv, name).clone() for name in names}
+    parents = (-1, 0, 1, 2, 0, 4, 1, 6, 6, 0, 9, 10, 11)  # chains of 4, 2, 1, 2, 4 rows
+    for start in (100, 250, 256, 530):  # none, across the first chunk's end, one and two shared chunks
+
+        def verify():
+            for name in names:
+                getattr(kv, name).copy_(state[name])
+            kv.length = start
+            rows = TreeRows.of(parents, model.args, model.dtype, model.device)
+            logits, _ = model(tokens[start : start + len(parents)], start, kv, logits_positions=None, tree=rows)
+            return [logits, rows.keys.clone()] + [getattr(kv, name)[:, :, : start + len(parents)].clone() for name in names]
+
+        native = verify()
+        with monkeypatch.context() as patch:
+            patch.setattr(model_module, "native_extension", lambda: None)
+            python = verify()
+        assert all(torch.equal(a, b) for a, b in zip(native, python)), start

@@ -20,7 +20,7 @@ import torch
 log = structlog.get_logger("dflash.native")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_layers.cpp", "quantized_linear.cpp", "causal_attention.cpp", "logits.cpp", "step_pool.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("step_pool.h", "amx_tiles.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("step_pool.h", "amx_tiles.h", "tree_chain.h")]
 BUILD_DIR = Path(__file__).with_name("build")
 NAME = "dflash_decode_layers"
 

@@ -25,6 +25,7 @@
 
 #include "amx_tiles.h"
 #include "step_pool.h"
+#include "tree_chain.h"
 
 #include <immintrin.h>
 
@@ -1823,6 +1824,112 @@ void attend_int8(const Int8Rows& q, const uint8_t* keys, const int8_t* values, c
   });
 }
 
+// a key's and a value's row (of one KV head) into an int8 cache at `at`, their scales at `scale_at`
+// (quantize_kv's layout): the one quantization every cached row takes
+template <typename T>
+VNNI_TARGET void quantize_kv_row(const T* k, const T* v, uint8_t* key_codes, int8_t* value_codes, float* key_scales,
+                                 float* value_scales, int64_t at, int64_t scale_at, int64_t D) {
+  int8_t* key_row = reinterpret_cast<int8_t*>(key_codes + at);
+  key_scales[scale_at] = quantize_row(k, D, key_row);
+  for (int64_t d = 0; d < D; ++d) key_codes[at + d] = uint8_t(int(key_row[d]) + kKeyOffset);
+  value_scales[scale_at] = quantize_row(v, D, value_codes + at);
+}
+
+// Query rows (count of them, D each) quantized for int8_chunk_partials (Int8Rows): codes, each row's
+// scale times 1/sqrt(D), and 128 times its codes' sum.
+template <typename T>
+VNNI_TARGET void quantize_queries(const T* q, int64_t count, int64_t D, int8_t* codes, float* scales, int32_t* offsets) {
+  const float softmax_scale = 1.0f / std::sqrt(float(D));
+  for (int64_t row = 0; row < count; ++row) {
+    scales[row] = quantize_row(q + row * D, D, codes + row * D) * softmax_scale;
+    int32_t sum = 0;
+    for (int64_t d = 0; d < D; ++d) sum += codes[row * D + d];
+    offsets[row] = kKeyOffset * sum;
+  }
+}
+
+// ---- a draft tree's rows in one call (tree_chain.h) -------------------------------------------
+//
+// Why: attended chain by chain (one causal call each), every chain read the whole cache again and
+// paid its own call: a tree of 16 rows in 15 chains cost 2.06x a decode step at 1K of context
+// against 1.38x for one chain of 16 (bench/step.py, bf16, AMX VM, 2 threads). Here the chunks
+// wholly below `start` hold committed keys only, and every row of the tree sees them whole: a row's
+// partial over a chunk it sees whole does not depend on its position or on the rows beside it, so
+// those partials are computed once, for all rows at once. The chunks from start's on hold each
+// chain's path: per KV head (a head's cache rows are its own), each chain's path is written at
+// start.. and its rows' partials over those chunks computed; then each row merges its partials in
+// chunk order. The same partials and the same merges as the chain's own causal call, so the same
+// bits (tests/model/test_native.py).
+//
+// rows(first, position, tokens): the call's rows (Rows or Int8Rows) of tokens first.. at positions
+// position..; partials(rows, h, first, last, c, into): as schedule's; write_path(h, chain): the
+// chain's path keys and values of head h at start...
+inline const Rows<int8_t>& positions_of(const Int8Rows& rows) { return rows.rows; }
+template <typename QT>
+inline const Rows<QT>& positions_of(const Rows<QT>& rows) { return rows; }
+
+template <int D, typename OT, typename MakeRows, typename Partials, typename WritePath>
+void attend_tree(int64_t tokens, int64_t H, int64_t KV, int64_t start, const std::vector<TreeChain>& chains, OT* out,
+                 MakeRows&& make_rows, Partials&& partials, WritePath&& write_path) {
+  const int64_t G = H / KV, R = tokens * G, S = D + 2, shared = start / kChunk;
+  // the committed chunks: every (head, chunk, part of the rows) a task, as schedule's few rows
+  auto shared_partials = partial_buffer(std::max<int64_t>(KV * shared * R, 1), D);
+  if (shared > 0) {
+    const auto all = make_rows(0, start, tokens);  // positions start.., past every shared chunk
+    const int64_t threads = at::get_num_threads();
+    const int64_t parts = threads < 2 ? 1 : std::clamp<int64_t>((4 * threads + KV * shared - 1) / (KV * shared), 1, R);
+    step_pool::parallel_tasks(KV * shared * parts, [&](int64_t task) {
+      const int64_t c = task / (KV * parts), h = task / parts % KV, part = task % parts;
+      const int64_t first = part * R / parts, last = (part + 1) * R / parts;
+      if (first < last) partials(all, h, first, last, c, shared_partials.get() + ((h * shared + c) * R + first) * S);
+    }, 2 * KV * R * shared * kChunk * D >= step_pool::kWorthWakingMacs);
+  }
+  // the chains' chunks, per KV head: each chain's path written, its rows' partials over the chunks
+  // from start's on, and every row merged and finished
+  int64_t tail_macs = 0, widest = 1;
+  for (const auto& chain : chains) {
+    const int64_t last_position = start + chain.depth + (chain.end - chain.first) - 1;
+    tail_macs += 2 * KV * (chain.end - chain.first) * G * (last_position + 1 - shared * kChunk) * D;
+    widest = std::max(widest, (chain.end - chain.first) * G * (last_position / kChunk - shared + 1));
+  }
+  step_pool::parallel_tasks(KV, [&](int64_t h) {
+    auto tail = partial_buffer(widest, D), state_buffer = partial_buffer(1, D);
+    const Partial state{state_buffer.get()};
+    for (const auto& chain : chains) {
+      write_path(h, chain);
+      const auto rows = make_rows(chain.first, start + chain.depth, chain.end - chain.first);
+      const auto& at = positions_of(rows);
+      const int64_t count = at.count(), chunks = at.position(count - 1) / kChunk - shared + 1;
+      for (int64_t c = 0; c < chunks; ++c) partials(rows, h, 0, count, shared + c, tail.get() + c * count * S);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t row = chain.first * G + i, row_chunks = at.position(i) / kChunk - shared + 1;
+        int64_t c = 0;
+        if (shared > 0) {
+          std::memcpy(state.p, shared_partials.get() + (h * shared * R + row) * S, sizeof(float) * S);
+          for (int64_t s = 1; s < shared; ++s) merge(state, Partial{shared_partials.get() + ((h * shared + s) * R + row) * S}, D);
+        } else {
+          std::memcpy(state.p, tail.get() + i * S, sizeof(float) * S);
+          c = 1;
+        }
+        for (; c < row_chunks; ++c) merge(state, Partial{tail.get() + (c * count + i) * S}, D);
+        finish(state, out + ((chain.first + i / G) * H + h * G + i % G) * D, D);
+      }
+    }
+  }, tail_macs >= step_pool::kWorthWakingMacs);
+}
+
+// The head dim as a compile-time constant: run(std::integral_constant<int, D>).
+template <typename F>
+void with_head_dim(int64_t D, F&& run) {
+  switch (D) {
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    default: run(std::integral_constant<int, 256>{}); break;
+  }
+}
+
 }  // namespace
 
 bool causal_attention_available() { return cpu_has_avx2_fma(); }
@@ -1932,11 +2039,9 @@ void quantize_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor keys, at::
     const T_ *kx = k_rows.data_ptr<T_>(), *vx = v_rows.data_ptr<T_>();
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t h = 0; h < KV; ++h) {
-        const int64_t row = (t * KV + h) * D, at_ = h * head_stride + (start + t) * D, scale_at = h * scale_stride + start + t;
-        int8_t* key_row = reinterpret_cast<int8_t*>(key_codes + at_);
-        ks[scale_at] = quantize_row(kx + row, D, key_row);
-        for (int64_t d = 0; d < D; ++d) key_codes[at_ + d] = uint8_t(int(key_row[d]) + kKeyOffset);
-        vs[scale_at] = quantize_row(vx + row, D, value_codes + at_);
+        const int64_t row = (t * KV + h) * D;
+        quantize_kv_row(kx + row, vx + row, key_codes, value_codes, ks, vs, h * head_stride + (start + t) * D,
+                        h * scale_stride + start + t, D);
       }
     }
   };
@@ -1962,19 +2067,11 @@ at::Tensor causal_attention_int8(const at::Tensor& q, const at::Tensor& keys, co
   std::vector<float> scales(size_t(T * H));
   std::vector<int32_t> offsets(size_t(T * H));
   const float softmax_scale = 1.0f / std::sqrt(float(D));
-  auto quantize_queries = [&](auto type) {
-    using T_ = decltype(type);
-    const T_* x = query.data_ptr<T_>();
-    int8_t* c = codes.data_ptr<int8_t>();
-    for (int64_t row = 0; row < T * H; ++row) {
-      scales[row] = quantize_row(x + row * D, D, c + row * D) * softmax_scale;
-      int32_t sum = 0;
-      for (int64_t d = 0; d < D; ++d) sum += c[row * D + d];
-      offsets[row] = kKeyOffset * sum;
-    }
-  };
-  if (query.scalar_type() == at::kBFloat16) quantize_queries(at::BFloat16{});
-  else quantize_queries(float{});
+  if (query.scalar_type() == at::kBFloat16) {
+    quantize_queries(query.data_ptr<at::BFloat16>(), T * H, D, codes.data_ptr<int8_t>(), scales.data(), offsets.data());
+  } else {
+    quantize_queries(query.data_ptr<float>(), T * H, D, codes.data_ptr<int8_t>(), scales.data(), offsets.data());
+  }
   const Int8Rows rows{Rows<int8_t>{codes.data_ptr<int8_t>(), start, T, H / KV, H, D, softmax_scale}, scales.data(), offsets.data(),
                       amx_int8_scores_chosen(D)};
   auto run = [&](auto out_type) {
@@ -2071,3 +2168,88 @@ void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, 
                                int64_t KV, int64_t L, int64_t head_stride, int64_t start, float* out) {
   attend_rows(q, T, H, D, keys, values, KV, L, head_stride, start, out, false);
 }
+
+// A draft tree's attention in one call (attend_tree): q [T, H, D] its rows (tree_chain.h), a layer's
+// keys and values [KV, L, D] (heads head_stride apart, positions 0..start-1 committed), new_keys and
+// new_values row t's key and value for KV head h at t * stride + h * D; out [T, H, D]. Writes each
+// chain's path at start.., chain 0's last. bf16 (a served cache) or fp32 throughout.
+template <typename T>
+void tree_attention_into(const T* q, int64_t tokens, int64_t H, int64_t D, T* keys, T* values, int64_t KV, int64_t L,
+                         int64_t head_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
+                         int64_t key_stride, const T* new_values, int64_t value_stride, T* out) {
+  TORCH_CHECK(start >= 0 && start + tokens <= L, "tree attention: rows at ", start, "..", start + tokens, " past ", L, " cached");
+  if (tokens == 0) return;
+  const bool bf16_values = std::is_same_v<T, at::BFloat16> && bf16_values_chosen(), amx = amx_rows(bf16_values, D);
+  const float scale = 1.0f / std::sqrt(float(D));
+  with_head_dim(D, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    attend_tree<kD>(tokens, H, KV, start, chains, out,
+        [&](int64_t first, int64_t position, int64_t count) {
+          return Rows<T>{q + first * H * D, position, count, H / KV, H, D, scale, amx};
+        },
+        [&](const Rows<T>& rows, int64_t h, int64_t first, int64_t last, int64_t c, float* into) {
+          const T *head_keys = keys + h * head_stride, *head_values = values + h * head_stride;
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            if (bf16_values) return chunk_partials<kD, true>(rows, h, first, last, c, head_keys, head_values, L, into);
+          }
+          chunk_partials<kD, false>(rows, h, first, last, c, head_keys, head_values, L, into);
+        },
+        [&](int64_t h, const TreeChain& chain) {
+          for (size_t i = 0; i < chain.path.size(); ++i) {
+            const int64_t at = h * head_stride + (start + int64_t(i)) * D;
+            std::memcpy(keys + at, new_keys + chain.path[i] * key_stride + h * D, sizeof(T) * D);
+            std::memcpy(values + at, new_values + chain.path[i] * value_stride + h * D, sizeof(T) * D);
+          }
+        });
+  });
+}
+template void tree_attention_into<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, int64_t, at::BFloat16*, at::BFloat16*,
+                                                int64_t, int64_t, int64_t, int64_t, const std::vector<TreeChain>&,
+                                                const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, at::BFloat16*);
+template void tree_attention_into<float>(const float*, int64_t, int64_t, int64_t, float*, float*, int64_t, int64_t, int64_t,
+                                         int64_t, const std::vector<TreeChain>&, const float*, int64_t, const float*, int64_t,
+                                         float*);
+
+// tree_attention_into over an int8 layer (quantize_kv's layout: codes [KV, L, D] heads head_stride
+// apart, scales [KV, L] scale_stride apart): each chain's path quantized into it at start.., the
+// queries quantized once; q, new rows and out bf16 or fp32 alike.
+template <typename T>
+void tree_attention_int8_into(const T* q, int64_t tokens, int64_t H, int64_t D, uint8_t* keys, int8_t* values,
+                              float* key_scales, float* value_scales, int64_t KV, int64_t L, int64_t head_stride,
+                              int64_t scale_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
+                              int64_t key_stride, const T* new_values, int64_t value_stride, T* out) {
+  TORCH_CHECK(cpu_has_avx512_vnni(), "tree attention over an int8 cache: needs AVX512-VNNI");
+  TORCH_CHECK(start >= 0 && start + tokens <= L, "tree attention: rows at ", start, "..", start + tokens, " past ", L, " cached");
+  if (tokens == 0) return;
+  const float softmax_scale = 1.0f / std::sqrt(float(D));
+  std::vector<int8_t> codes(size_t(tokens * H * D));
+  std::vector<float> scales(size_t(tokens * H));
+  std::vector<int32_t> offsets(size_t(tokens * H));
+  quantize_queries(q, tokens * H, D, codes.data(), scales.data(), offsets.data());
+  const bool tiles = amx_int8_scores_chosen(D);
+  with_head_dim(D, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    attend_tree<kD>(tokens, H, KV, start, chains, out,
+        [&](int64_t first, int64_t position, int64_t count) {
+          return Int8Rows{Rows<int8_t>{codes.data() + first * H * D, position, count, H / KV, H, D, softmax_scale},
+                          scales.data() + first * H, offsets.data() + first * H, tiles};
+        },
+        [&](const Int8Rows& rows, int64_t h, int64_t first, int64_t last, int64_t c, float* into) {
+          int8_chunk_partials<kD>(rows, h, first, last, c, keys + h * head_stride, values + h * head_stride,
+                                  key_scales + h * scale_stride, value_scales + h * scale_stride, into);
+        },
+        [&](int64_t h, const TreeChain& chain) {
+          for (size_t i = 0; i < chain.path.size(); ++i)
+            quantize_kv_row(new_keys + chain.path[i] * key_stride + h * D, new_values + chain.path[i] * value_stride + h * D,
+                            keys, values, key_scales, value_scales, h * head_stride + (start + int64_t(i)) * D,
+                            h * scale_stride + start + int64_t(i), D);
+        });
+  });
+}
+template void tree_attention_int8_into<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, int64_t, uint8_t*, int8_t*, float*,
+                                                     float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                                     const std::vector<TreeChain>&, const at::BFloat16*, int64_t,
+                                                     const at::BFloat16*, int64_t, at::BFloat16*);
+template void tree_attention_int8_into<float>(const float*, int64_t, int64_t, int64_t, uint8_t*, int8_t*, float*, float*,
+                                              int64_t, int64_t, int64_t, int64_t, int64_t, const std::vector<TreeChain>&,
+                                              const float*, int64_t, const float*, int64_t, float*);

@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include "step_pool.h"
+#include "tree_chain.h"
 
 #include <immintrin.h>
 
@@ -41,6 +42,15 @@ void causal_attention_bf16_into(const at::BFloat16* q, int64_t T, int64_t H, int
 void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, const float* keys, const float* values,
                                int64_t KV, int64_t L, int64_t head_stride, int64_t start, float* out);
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
+template <typename T>
+void tree_attention_into(const T* q, int64_t rows_count, int64_t H, int64_t D, T* keys, T* values, int64_t KV, int64_t L,
+                         int64_t head_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
+                         int64_t key_stride, const T* new_values, int64_t value_stride, T* out);
+template <typename T>
+void tree_attention_int8_into(const T* q, int64_t tokens, int64_t H, int64_t D, uint8_t* keys, int8_t* values,
+                              float* key_scales, float* value_scales, int64_t KV, int64_t L, int64_t head_stride,
+                              int64_t scale_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
+                              int64_t key_stride, const T* new_values, int64_t value_stride, T* out);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor widen_to_fp32(const at::Tensor& x);
 bool int8_kv_available();
@@ -91,12 +101,9 @@ struct Linear {
 // its rows from start + the depth of its first row. So every row sees exactly the keys, at the same
 // positions and in the same order, as a decode step of its path would, and gets the same bits
 // (the kernels compute a row the same way whatever other rows a call holds). Chains are attended
-// last first: chain 0, the drafter's first choices, is written last and stays in the cache.
-struct TreeChain {
-  int64_t first, end, depth;  // rows first..end-1, the first at depth `depth`
-  std::vector<int64_t> path;  // the rows whose keys go to start, start + 1, ...: ancestors, then first..end-1
-};
-
+// last first: chain 0, the drafter's first choices, is written last and stays in the cache. All of
+// a layer's chains are one call (causal_attention.cpp, attend_tree), which computes the partials of
+// the chunks of keys below the tree once for them all.
 std::vector<TreeChain> tree_chains(const std::vector<int64_t>& parents, int64_t T) {
   TORCH_CHECK(int64_t(parents.size()) == T && T > 0 && parents[0] == -1,
               "decode_layers: tree parents must give one parent a row, -1 for row 0; got ", parents.size(), " for ", T, " rows");
@@ -559,9 +566,6 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
   bf16* key_base = int8_cache ? nullptr : keys.data_ptr<bf16>();
   bf16* value_base = int8_cache ? nullptr : values.data_ptr<bf16>();
   const float epsilon = float(eps);
-  // a draft tree's path keys and values for quantize_kv, [T, KV, D] each (tree_chains)
-  std::vector<bf16> path_buffer(chains.empty() || !int8_cache ? 0 : 2 * T * KV * D);
-  bf16* path_rows = path_buffer.data();
   std::vector<at::Tensor> captured;
   size_t next_capture = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -604,35 +608,15 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
         std::memcpy(value_base + at, row + (H + KV + head) * D, sizeof(bf16) * D);
       }
     }
-    if (!chains.empty()) {  // a draft tree: each chain on its path's keys (tree_chains)
-      const auto options = at::TensorOptions().dtype(kBf16);
-      for (const auto& chain : chains) {
-        const int64_t n = chain.path.size(), rows = chain.end - chain.first;
-        if (int8_cache) {
-          const auto path_k = at::from_blob(path_rows, {n, KV, D}, options);
-          const auto path_v = at::from_blob(path_rows + T * KV * D, {n, KV, D}, options);
-          for (int64_t i = 0; i < n; ++i) {
-            std::memcpy(path_rows + i * KV * D, k + chain.path[i] * KV * D, sizeof(bf16) * KV * D);
-            std::memcpy(path_rows + (T + i) * KV * D, qkv + chain.path[i] * QKV + (H + KV) * D, sizeof(bf16) * KV * D);
-          }
-          const auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
-          const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
-          quantize_kv(path_k, path_v, layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
-          const auto out = causal_attention_int8(at::from_blob(q + chain.first * H * D, {rows, H, D}, options), layer_keys,
-                                                 layer_values, layer_key_scales, layer_value_scales, start + chain.depth);
-          std::memcpy(attended + chain.first * H * D, out.data_ptr<bf16>(), sizeof(bf16) * rows * H * D);
-        } else {
-          for (int64_t i = 0; i < n; ++i)
-            for (int64_t head = 0; head < KV; ++head) {
-              const int64_t at = layer * keys.stride(0) + head * keys.stride(1) + (start + i) * D;
-              std::memcpy(key_base + at, k + (chain.path[i] * KV + head) * D, sizeof(bf16) * D);
-              std::memcpy(value_base + at, qkv + chain.path[i] * QKV + (H + KV + head) * D, sizeof(bf16) * D);
-            }
-          causal_attention_bf16_into(q + chain.first * H * D, rows, H, D, key_base + layer * keys.stride(0),
-                                     value_base + layer * keys.stride(0), KV, L, keys.stride(1), start + chain.depth,
-                                     attended + chain.first * H * D);
-        }
-      }
+    if (!chains.empty() && int8_cache) {  // a draft tree over an int8 cache: all its chains in one call
+      tree_attention_int8_into(q, T, H, D, keys.data_ptr<uint8_t>() + layer * keys.stride(0),
+                               values.data_ptr<int8_t>() + layer * values.stride(0),
+                               key_scales.data_ptr<float>() + layer * key_scales.stride(0),
+                               value_scales.data_ptr<float>() + layer * value_scales.stride(0), KV, L, keys.stride(1),
+                               key_scales.stride(1), start, chains, k, KV * D, qkv + (H + KV) * D, QKV, attended);
+    } else if (!chains.empty()) {  // a draft tree over a bf16 cache: all its chains in one call
+      tree_attention_into(q, T, H, D, key_base + layer * keys.stride(0), value_base + layer * keys.stride(0), KV, L,
+                          keys.stride(1), start, chains, k, KV * D, qkv + (H + KV) * D, QKV, attended);
     } else if (int8_cache) {  // kv.Int8KVCache: the loop below's calls, on views of the rows
       const auto options = at::TensorOptions().dtype(kBf16);
       const auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
@@ -756,24 +740,29 @@ std::vector<at::Tensor> decode_layers(
       saved_values.select(0, layer).copy_(v);
       if (!int8_cache) q = q.to(keys.scalar_type());
       attended = at::empty(q.sizes(), q.options());
-      for (const auto& chain : chains) {
-        const auto path = at::tensor(chain.path, at::TensorOptions().dtype(at::kLong));
-        const int64_t n = chain.path.size();
-        const auto rows = q.slice(0, chain.first, chain.end);
-        at::Tensor part;
+      // all its chains in one call (causal_attention.cpp, attend_tree), q and the new rows in the
+      // cache's dtype (an int8 cache: in x's, as causal_attention_int8 takes them)
+      const auto rows = q.contiguous(), new_keys = k.to(q.scalar_type()).contiguous(), new_values = v.to(q.scalar_type()).contiguous();
+      TORCH_CHECK(layer_keys.stride(2) == 1 && layer_keys.stride(1) == D && layer_values.strides() == layer_keys.strides() &&
+                      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
+                  "decode_layers: a draft tree needs a cache [KV, L, D] with rows of D contiguous and bf16 or fp32 rows, got ",
+                  layer_keys.strides(), " and ", q.scalar_type());
+      auto attend = [&](auto type) {
+        using E = decltype(type);
         if (int8_cache) {
           const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
-          quantize_kv(k.index_select(0, path), v.index_select(0, path), layer_keys, layer_values, layer_key_scales,
-                      layer_value_scales, start);
-          part = causal_attention_int8(rows.contiguous(), layer_keys, layer_values, layer_key_scales, layer_value_scales,
-                                       start + chain.depth);
+          tree_attention_int8_into(rows.data_ptr<E>(), T, H, D, layer_keys.data_ptr<uint8_t>(), layer_values.data_ptr<int8_t>(),
+                                   layer_key_scales.data_ptr<float>(), layer_value_scales.data_ptr<float>(), KV,
+                                   layer_keys.size(1), layer_keys.stride(0), layer_key_scales.stride(0), start, chains,
+                                   new_keys.data_ptr<E>(), KV * D, new_values.data_ptr<E>(), KV * D, attended.data_ptr<E>());
         } else {
-          layer_keys.slice(1, start, start + n).copy_(k.index_select(0, path).transpose(0, 1));
-          layer_values.slice(1, start, start + n).copy_(v.index_select(0, path).transpose(0, 1));
-          part = causal_attention(rows, layer_keys, layer_values, start + chain.depth);
+          tree_attention_into(rows.data_ptr<E>(), T, H, D, layer_keys.data_ptr<E>(), layer_values.data_ptr<E>(), KV,
+                              layer_keys.size(1), layer_keys.stride(0), start, chains, new_keys.data_ptr<E>(), KV * D,
+                              new_values.data_ptr<E>(), KV * D, attended.data_ptr<E>());
         }
-        attended.slice(0, chain.first, chain.end).copy_(part);
-      }
+      };
+      if (q.scalar_type() == at::kBFloat16) attend(at::BFloat16{});
+      else attend(float{});
     } else if (int8_cache) {
       const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
       quantize_kv(k, v, layer_keys, layer_values, layer_key_scales, layer_value_scales, start);
