@@ -465,6 +465,36 @@ def test_a_declined_proposal_is_not_charged_to_the_drafter_that_proposes_after_i
     assert 0.0 <= policy.proposal_seconds < 0.01 and policy.unmeasured_seconds >= 0.02
 
 
+def carried_pause_policy(kept: float, expected: float):
+    """A generation after one that paused the tree drafter: its pause carried in (SpeculationMemory),
+    its calibration kept/expected."""
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7)
+    memory = SpeculationMemory(config)
+    memory.drafters["dflash"] = (7, 300, 64)  # block, pause left, pause length
+    memory.costs["dflash"] = (0.06, 0.2, kept, expected, (0.0, 0.0, 0.0, 0.0, 0.0))
+    policy = SpeculationPolicy(config, {"dflash": TreeDrafter()}, memory, trees=True, chain_cost=lambda: 0.05)
+    baseline(policy, 0.010)
+    return policy, policy.state["dflash"]
+
+
+def test_a_tree_drafter_looks_at_new_text_once_through_a_carried_pause():
+    """A pause carried from the generation before (a chat reply) does not keep the tree drafter off
+    the next one's text (a coding reply) where its first proposal says a tree pays: it proposes once,
+    and its tree is verified; where the tree would not pay it is declined and the carried pause goes
+    on as it was (not doubled), the drafter not asked again until the pause ends."""
+    policy, state = carried_pause_policy(kept=10.0, expected=10.0)
+    pause = state.pause
+    assert 0 < pause <= 300 and state.peek
+    chosen, draft = policy.choose([1, 2])
+    assert chosen is not None and len(draft) > 0 and not state.peek
+    policy, state = carried_pause_policy(kept=0.0, expected=10.0)  # its probabilities never bore out
+    pause, length = state.pause, state.pause_length
+    assert policy.choose([1, 2]) == (None, []) and not state.peek
+    assert state.pause == pause and state.pause_length == length and policy.unmeasured_seconds > 0
+    policy.record_plain(0.010)
+    assert policy.choose([1, 2]) == (None, []) and state.pause == pause - 1  # paused: not even proposed
+
+
 def test_what_a_drafters_rows_cost_carries_into_the_next_generation():
     memory = SpeculationMemory(SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7))
     policy, state = tree_policy(row_cost=None, memory=memory)
