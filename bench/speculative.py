@@ -85,6 +85,17 @@ def ratio_spread(ratios: list[float]) -> str:
     return f"{q[0]:.2f}–{q[2]:.2f}"
 
 
+def with_system(messages: list[dict], tokens: int) -> list[dict]:
+    """The conversation after the captured Claude Code system prompt cut to ~`tokens` tokens (its own
+    system message, if any, after it)."""
+    from agent_loop import conversation_start
+
+    system, _ = conversation_start(tokens)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": system + "\n\n" + messages[0]["content"]}] + messages[1:]
+    return [{"role": "system", "content": system}] + messages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
@@ -104,13 +115,18 @@ def main() -> None:
     parser.add_argument("--modes", help="which modes to run, comma-separated (default: all); plain always runs, first, "
                                         "as the baseline. Fewer modes put a mode's runs closer to plain's on a VM "
                                         "whose speed drifts")
+    parser.add_argument("--system-tokens", type=int, default=0,
+                        help="put the captured Claude Code system prompt, cut to about this many tokens, before every "
+                             "conversation (as bench/agent_loop.py does): drafts verified deep in a context, as an "
+                             "agent's are")
     parser.add_argument("--prompts", default="code editing,chat,coding",
                         help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
                              "tool prompt, from dflash/training/unseen.py)")
     args = parser.parse_args()
     # Loaded as a server would be: where it would not speculate (speculation_off: a verified row
     # could differ from a decoded one on this CPU with these weights) there is nothing to measure.
-    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads, kv_cache=args.kv_cache,
+    max_ctx = 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
+    loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads, kv_cache=args.kv_cache,
                         speculation=SpeculationConfig(drafter="ngram"))
     if loaded.engine.speculation.drafter == "none":
         raise SystemExit(f"a server with weights {loaded.weights!r} on this CPU ({cpu_kind()}) does not speculate "
@@ -130,7 +146,7 @@ def main() -> None:
                          vocab_size=target.args.vocab_size),
             dtype=getattr(torch, args.dtype),
         )
-    drafter = DFlashDrafter(draft, target, 2048, draft_vocabulary(args.draft) if args.draft else None)  # as served
+    drafter = DFlashDrafter(draft, target, max_ctx, draft_vocabulary(args.draft) if args.draft else None)  # as served
     block = draft.config.block_size - 1
     rows = args.tree_rows or SpeculationConfig().tree_rows
     modes = {
@@ -151,6 +167,7 @@ def main() -> None:
             raise SystemExit(f"--modes: unknown {unknown}; the modes are {list(modes)}")
         modes = {mode: modes[mode] for mode in wanted}
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
+          f"system_tokens={args.system_tokens} "
           f"draft={'random weights' if not args.draft else args.draft} tree_rows={rows}")
     print("| prompts | mode | decode tok/s | τ | vs plain | per round: middle half | identical |")
     print("|---|---|---|---|---|---|---|")
@@ -158,6 +175,9 @@ def main() -> None:
     sets = {"code editing": ("(a) code editing", user(CODE_EDITING)), "chat": ("(b) chat", user(CHAT)),
             "coding": ("(c) coding", user(CODING)), "tool use": ("(d) tool use", UNSEEN_PROMPTS["tool use"])}
     chosen = [sets[name] for name in args.prompts.split(",")]
+    if args.system_tokens:
+        chosen = [(label, [with_system(messages, args.system_tokens) for messages in conversations])
+                  for label, conversations in chosen]
     ids = {label: [render_prompt(loaded.tokenizer, messages) for messages in conversations]
            for label, conversations in chosen}
     results: dict[str, dict[str, list]] = {label: {mode: [] for mode in modes} for label, _ in chosen}

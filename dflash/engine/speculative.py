@@ -201,8 +201,10 @@ class _DrafterState:
         # what a tree's next row costs is its slope.
         self.verification = VerificationCost()
         # A pause carried in from an earlier generation, and the drafter's first proposal on this
-        # one's text not yet looked at (SpeculationPolicy.choose).
+        # one's text not yet looked at (SpeculationPolicy.choose); `looked`: the verification
+        # being measured is that look's.
         self.peek = False
+        self.looked = False
 
     def acceptance(self) -> float | None:
         return self.matched / self.tried if self.tried >= 4 else None
@@ -279,6 +281,11 @@ class SpeculationPolicy:
     # A verified row's cost in plain steps before it is measured: between AMX with bf16 weights
     # (~0.02) and int4 (~0.06) and AVX2 (~0.4 for chains, whose blocks start short instead).
     UNMEASURED_ROW_COST = 0.1
+    # The most context rows a drafter may have to catch up for a look through a carried pause
+    # (_DrafterState.peek). Why: its first proposal runs them through its layers, ~1.2 plain steps
+    # for a 1.5K-token prompt with int4 (AMX VM), paid on every reply where the look declines (auto
+    # on chat after a 2K-token system prompt, prefilled afresh each time: 0.93x against 0.96x).
+    LOOK_PENDING_ROWS = 256
 
     def __init__(self, config: SpeculationConfig, drafters: dict[str, object], memory: SpeculationMemory | None = None,
                  trees: bool = False, chain_cost: Callable[[], float] = lambda: 0.05):
@@ -328,6 +335,8 @@ class SpeculationPolicy:
             sure = hasattr(drafter, "confident") and drafter.confident(tokens)
             # A paused drafter still proposes where it says it is sure (n-gram: the text is being
             # copied): a pause earned on other text cost a code echo 16 plain steps (Zen 4).
+            if state.peek and getattr(drafter, "pending_rows", lambda: 0)() > self.LOOK_PENDING_ROWS:
+                state.peek = False  # a look would run the drafter over a whole new context first
             if state.pause > 0 and not sure and not state.peek:
                 state.pause -= 1
                 self._remember(name, costs=False)  # a paused drafter's costs do not change
@@ -358,6 +367,7 @@ class SpeculationPolicy:
                     self._decline(name, time.perf_counter() - asked - catch_up, pause=not peek)
                     continue
                 draft = draft.first(rows)
+                state.looked = peek
             if draft:
                 self.proposal_seconds = time.perf_counter() - started - self.unmeasured_seconds  # every proposal this step asked for
                 return drafter, draft
@@ -453,6 +463,11 @@ class SpeculationPolicy:
         if not self.config.adaptive:
             return
         state = self.state[drafter.name]
+        looked, state.looked = state.looked, False
+        # A look through a carried pause that pays ends the pause but keeps its length: one lucky
+        # step at a chat reply's start had restarted the pauses from PAUSE_STEPS, and the probes
+        # after it cost deep in a context (int4, AMX VM, 2K-token system prompt: auto on chat 0.93x).
+        pause_length = state.pause_length if looked else self.PAUSE_STEPS
         calibration = state.calibration()
         if expected is not None:
             state.kept = 0.9 * state.kept + accepted
@@ -495,11 +510,11 @@ class SpeculationPolicy:
             # DFlash gives there. It keeps the block chosen above (doubled in the slow start),
             # judged on the next steps instead.
             state.tokens_per_second.value = max(state.tokens_per_second.value, plain_rate)
-            state.pause, state.pause_length = 0, self.PAUSE_STEPS
+            state.pause, state.pause_length = 0, pause_length
         elif state.tokens_per_second.value < plain_rate:
             self._pause(state, plain_rate)
         else:
-            state.pause, state.pause_length = 0, self.PAUSE_STEPS  # it pays (a confident proposal in a pause too)
+            state.pause, state.pause_length = 0, pause_length  # it pays (a confident proposal in a pause too)
         self._remember(drafter.name)
 
     def _probe_cost(self, state: _DrafterState) -> float | None:

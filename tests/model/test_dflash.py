@@ -270,16 +270,34 @@ def test_the_served_drafter_s_native_layers_equal_its_python_layers_bit_for_bit(
 
 def test_a_proposal_after_a_long_prompt_says_how_long_its_context_took_to_catch_up(target):
     """The rows a prompt left pending (more than CATCH_UP_ROWS) are timed apart, for the policy to
-    leave out; a proposal after a verified step has none."""
+    leave out: their projection and their share of the drafter's layers by rows; a proposal after a
+    verified step has none."""
+    import time
+
     from dflash.engine.drafters.dflash import CATCH_UP_ROWS
 
+    class SlowLayers:  # the drafter's layers take 50 ms a call whatever its rows
+        def __init__(self, draft):
+            self.draft = draft
+
+        def __getattr__(self, name):
+            return getattr(self.draft, name)
+
+        def __call__(self, *args):
+            time.sleep(0.05)
+            return self.draft(*args)
+
     drafter = DFlashDrafter(random_draft_model(tiny_config(block_size=4), seed=9), target, 256)
+    drafter.draft = SlowLayers(drafter.draft)
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
     engine = Engine(target, max_ctx=256, speculation=config, dflash_drafter=drafter)
     prompt = [5 + i % 90 for i in range(CATCH_UP_ROWS + 20)]
     generation = engine.start(prompt, SamplingParams(), 8)
     generation.step()  # the prefill, and the first token
-    assert drafter.propose(engine.committed + generation.output[-1:], 3) and drafter.catch_up_seconds > 0
+    pending = drafter.pending_rows()
+    assert pending > CATCH_UP_ROWS
+    assert drafter.propose(engine.committed + generation.output[-1:], 3)
+    assert drafter.catch_up_seconds >= 0.05 * pending / (pending + 4) and drafter.pending_rows() == 0
     generation.step()  # a verified step: the drafter's context follows it
     drafter.propose(engine.committed + generation.output[-1:], 3)
     assert drafter.catch_up_seconds == 0.0

@@ -465,14 +465,28 @@ def test_a_declined_proposal_is_not_charged_to_the_drafter_that_proposes_after_i
     assert 0.0 <= policy.proposal_seconds < 0.01 and policy.unmeasured_seconds >= 0.02
 
 
-def carried_pause_policy(kept: float, expected: float):
+class PendingTreeDrafter(TreeDrafter):
+    def __init__(self, pending: int):
+        self.pending = pending
+        self.asked = 0
+
+    def pending_rows(self):
+        return self.pending
+
+    def propose_tree(self, tokens, rows):
+        self.asked += 1
+        return super().propose_tree(tokens, rows)
+
+
+def carried_pause_policy(kept: float, expected: float, pending: int = 0):
     """A generation after one that paused the tree drafter: its pause carried in (SpeculationMemory),
-    its calibration kept/expected."""
+    its calibration kept/expected, `pending` context rows for it to catch up."""
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7)
     memory = SpeculationMemory(config)
     memory.drafters["dflash"] = (7, 300, 64)  # block, pause left, pause length
     memory.costs["dflash"] = (0.06, 0.2, kept, expected, (0.0, 0.0, 0.0, 0.0, 0.0))
-    policy = SpeculationPolicy(config, {"dflash": TreeDrafter()}, memory, trees=True, chain_cost=lambda: 0.05)
+    drafter = PendingTreeDrafter(pending)
+    policy = SpeculationPolicy(config, {"dflash": drafter}, memory, trees=True, chain_cost=lambda: 0.05)
     baseline(policy, 0.010)
     return policy, policy.state["dflash"]
 
@@ -493,6 +507,23 @@ def test_a_tree_drafter_looks_at_new_text_once_through_a_carried_pause():
     assert state.pause == pause and state.pause_length == length and policy.unmeasured_seconds > 0
     policy.record_plain(0.010)
     assert policy.choose([1, 2]) == (None, []) and state.pause == pause - 1  # paused: not even proposed
+
+
+def test_a_look_that_pays_ends_the_carried_pause_but_keeps_its_length():
+    """One lucky step at a reply's start does not restart the pauses from PAUSE_STEPS."""
+    policy, state = carried_pause_policy(kept=10.0, expected=10.0)
+    chosen, draft = policy.choose([1, 2])
+    policy.record(chosen, draft.depth, draft.depth, 0.011, rows=len(draft), expected=draft.expected())
+    assert state.pause == 0 and state.pause_length == 64
+
+
+def test_no_look_where_the_drafter_would_catch_up_a_whole_new_context_first():
+    """A look runs the drafter over the context rows it has not seen (a fresh prompt's): past
+    LOOK_PENDING_ROWS of them it costs more than a plain step, so the carried pause just goes on."""
+    policy, state = carried_pause_policy(kept=10.0, expected=10.0, pending=SpeculationPolicy.LOOK_PENDING_ROWS + 1)
+    pause = state.pause
+    assert policy.choose([1, 2]) == (None, []) and state.pause == pause - 1 and not state.peek
+    assert policy.drafters["dflash"].asked == 0
 
 
 def test_what_a_drafters_rows_cost_carries_into_the_next_generation():
