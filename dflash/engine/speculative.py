@@ -81,8 +81,9 @@ class DraftTree:
 
     def chains(self) -> int:
         """Runs of rows each the child of the row before (model.tree_chains): a verification attends
-        each on its own, one more attention call a layer over the whole context for each past the
-        first (the engine's chain_cost)."""
+        each over its own path's keys, so each past the first reads keys again (the engine's
+        chain_cost: those of the tree's chunk where the native loop attends all chains in one call,
+        the whole context where each is a call of its own)."""
         return sum(1 for row, parent in enumerate(self.parents, 1) if parent != row - 1) + (1 if self.parents else 0)
 
     def within(self, depth: int) -> "DraftTree":
@@ -294,8 +295,8 @@ class SpeculationPolicy:
         # Drafters that can propose a tree do (DraftTree), where the engine verifies trees and the
         # configuration asks for them; `block` then counts the tree's rows.
         self.trees = trees and config.tree_rows > 0
-        # What one more attention call over the committed context costs, in plain steps (a tree's
-        # chain past the first): Engine.chain_cost, which grows with the context.
+        # What a tree's chain past the first costs, in plain steps: Engine.chain_cost (a read of the
+        # keys in the tree's chunk, or of the whole context where chains are attended one by one).
         self.chain_cost = chain_cost
         # Slow start: a drafter begins with a short block (a failed probe then costs little) and
         # earns longer ones by having whole blocks accepted. Without adaptation: the full block.
@@ -337,11 +338,14 @@ class SpeculationPolicy:
             # copied): a pause earned on other text cost a code echo 16 plain steps (Zen 4).
             if state.peek and getattr(drafter, "pending_rows", lambda: 0)() > self.LOOK_PENDING_ROWS:
                 state.peek = False  # a look would run the drafter over a whole new context first
-            if state.pause > 0 and not sure and not state.peek:
+            if state.pause > 0 and not sure:
+                # the pause counts down while a look waits too (the n-gram drafter may take the steps)
                 state.pause -= 1
+                state.peek = state.peek and state.pause > 0
                 self._remember(name, costs=False)  # a paused drafter's costs do not change
-            else:
-                ready.append((not sure, index, name, drafter))
+                if not state.peek:
+                    continue
+            ready.append((not sure, index, name, drafter))
         # A drafter sure of its proposal asks first, then the fastest measured one (one never
         # measured before all, to measure it); the others propose only when it has nothing: on code
         # editing the n-gram drafter's long acceptances then are not crowded out by a slower drafter
@@ -360,8 +364,8 @@ class SpeculationPolicy:
             # step's: left out of every measurement of it, plain or speculative.
             catch_up = getattr(drafter, "catch_up_seconds", 0.0)
             self.unmeasured_seconds += catch_up
-            peek, state.peek = state.peek, False
             if tree and draft:
+                peek, state.peek = state.peek, False  # looked: a tree was proposed
                 rows = self._tree_rows(state, draft)
                 if rows == 0:  # verifying no part of it would pay: a plain step instead
                     self._decline(name, time.perf_counter() - asked - catch_up, pause=not peek)
@@ -400,9 +404,9 @@ class SpeculationPolicy:
         fixed = 1.0 + proposal + verification
         chain_cost = self.chain_cost()
         # Rows in the order they were chosen (a row after its ancestors); a row whose parent has a
-        # child already opens a chain, one more attention call (DraftTree.chains): at 7K of
-        # context with int4 weights and the int8 cache a chain cost 0.4 plain steps where a row
-        # cost 0.1 (AMX VM), so deep in a conversation trees keep to fewer chains.
+        # child already opens a chain, which reads keys again (DraftTree.chains): attended one call
+        # a chain, at 7K of context with int4 weights and the int8 cache a chain cost 0.4 plain steps
+        # where a row cost 0.1 (AMX VM); attended in one call, a chain reads only the tree's chunk.
         # The proposal is paid by the time the tree is sized: the verification goes ahead where some
         # k makes it pay on its own (its tokens against its cost past the proposal), else the step
         # is plain (0). Why: a DFlash probe after a pause on chat, unsure of every slot, cost 2.5
@@ -486,7 +490,7 @@ class SpeculationPolicy:
         if self.plain_seconds.value:
             proposal = min(self.proposal_seconds, seconds) / self.plain_seconds.value
             state.proposal_cost.add(proposal)
-            # what the rows cost: the verification past a plain step, less its chains' own calls
+            # what the rows cost: the verification past a plain step, less its chains' own reads
             rows_part = seconds / self.plain_seconds.value - proposal - 1.0
             if chains > 1:
                 rows_part -= self.chain_cost() * (chains - 1)

@@ -132,7 +132,7 @@ def test_a_constrained_generation_proposes_chains():
 
 
 @pytest.mark.parametrize("one_call", [True, False])
-def test_a_chain_costs_more_the_deeper_the_context(one_call, monkeypatch):
+def test_a_chain_costs_the_share_of_a_step_of_the_keys_it_reads_again(one_call, monkeypatch):
     """One more attention call reads the cache once more: its share of a decode step's reads
     (weights and cache, as bytes) grows with the committed context. Where a tree's chains are
     attended in one call, a chain reads again only the keys of the chunk (KEY_CHUNK) the tree

@@ -504,9 +504,33 @@ def test_a_tree_drafter_looks_at_new_text_once_through_a_carried_pause():
     policy, state = carried_pause_policy(kept=0.0, expected=10.0)  # its probabilities never bore out
     pause, length = state.pause, state.pause_length
     assert policy.choose([1, 2]) == (None, []) and not state.peek
-    assert state.pause == pause and state.pause_length == length and policy.unmeasured_seconds > 0
+    assert state.pause == pause - 1 and state.pause_length == length and policy.unmeasured_seconds > 0
     policy.record_plain(0.010)
-    assert policy.choose([1, 2]) == (None, []) and state.pause == pause - 1  # paused: not even proposed
+    asked = policy.drafters["dflash"].asked
+    assert policy.choose([1, 2]) == (None, []) and state.pause == pause - 2  # paused: not even proposed
+    assert policy.drafters["dflash"].asked == asked
+
+
+def test_a_waiting_look_lets_the_carried_pause_count_down():
+    """auto: while the n-gram drafter, sure of its copies, takes the steps, the tree drafter is not
+    asked and its look waits; its carried pause still counts down, and a tree drafter that proposes
+    nothing (its context not whole) has not looked yet."""
+    config = SpeculationConfig(drafter="auto", max_draft_tokens=7, tree_rows=7)
+    memory = SpeculationMemory(config)
+    memory.drafters["dflash"] = (7, 5, 64)
+    ngram, dflash = SureDrafter(), PendingTreeDrafter(0)
+    ngram.sure = True
+    policy = SpeculationPolicy(config, {"ngram": ngram, "dflash": dflash}, memory, trees=True)
+    baseline(policy, 0.010)
+    state = policy.state["dflash"]
+    assert state.peek and state.pause == 5
+    for left in (4, 3):
+        assert policy.choose([1, 2])[0] is ngram and state.pause == left and state.peek
+    assert dflash.asked == 0
+    ngram.sure = False
+    ngram.propose = lambda tokens, block: []  # nothing to copy now
+    dflash.propose_tree = lambda tokens, rows: TreeDrafter().propose_tree(tokens, 0)  # an empty tree
+    assert policy.choose([1, 2]) == (None, []) and state.peek and state.pause == 2
 
 
 def test_a_look_that_pays_ends_the_carried_pause_but_keeps_its_length():

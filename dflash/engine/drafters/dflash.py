@@ -289,7 +289,7 @@ class DFlashDraftModel(nn.Module):
         return arguments
 
 
-CATCH_UP_ROWS = 64  # pending context rows past which projecting them counts as catching up
+CATCH_UP_ROWS = 64  # pending context rows past which running them (projection, layers) counts as catching up
 
 
 class DFlashDrafter:
@@ -403,6 +403,7 @@ class DFlashDrafter:
         """The drafter's logits [drafts, vocabulary] for up to `max_tokens` drafts after the pending
         token (the last of `tokens`), or None where it cannot propose (its context is not whole)."""
         committed = len(tokens) - 1  # the last token is pending: not yet run through the target
+        self.catch_up_seconds = 0.0  # none where it does not propose (the policy subtracts it)
         if max_tokens <= 0 or self.length != committed:
             return None
         # Fewer drafts run a shorter block, though training always ran whole ones (attention

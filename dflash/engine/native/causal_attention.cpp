@@ -1862,8 +1862,8 @@ VNNI_TARGET void quantize_queries(const T* q, int64_t count, int64_t D, int8_t* 
 // bits (tests/model/test_native.py).
 //
 // rows(first, position, tokens): the call's rows (Rows or Int8Rows) of tokens first.. at positions
-// position..; partials(rows, h, first, last, c, into): as schedule's; write_path(h, chain): the
-// chain's path keys and values of head h at start...
+// position..; partials(rows, h, first, last, c, into): schedule's callback, for those rows;
+// write_path(h, chain): the chain's path keys and values of head h at start...
 inline const Rows<int8_t>& positions_of(const Int8Rows& rows) { return rows.rows; }
 template <typename QT>
 inline const Rows<QT>& positions_of(const Rows<QT>& rows) { return rows; }
@@ -2178,6 +2178,8 @@ void tree_attention_into(const T* q, int64_t tokens, int64_t H, int64_t D, T* ke
                          int64_t head_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
                          int64_t key_stride, const T* new_values, int64_t value_stride, T* out) {
   TORCH_CHECK(start >= 0 && start + tokens <= L, "tree attention: rows at ", start, "..", start + tokens, " past ", L, " cached");
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && KV > 0 && H % KV == 0,
+              "tree attention: head dim ", D, " (16, 32, 64, 128 or 256), ", H, " query heads over ", KV, " KV heads");
   if (tokens == 0) return;
   const bool bf16_values = std::is_same_v<T, at::BFloat16> && bf16_values_chosen(), amx = amx_rows(bf16_values, D);
   const float scale = 1.0f / std::sqrt(float(D));
@@ -2220,6 +2222,8 @@ void tree_attention_int8_into(const T* q, int64_t tokens, int64_t H, int64_t D, 
                               int64_t key_stride, const T* new_values, int64_t value_stride, T* out) {
   TORCH_CHECK(cpu_has_avx512_vnni(), "tree attention over an int8 cache: needs AVX512-VNNI");
   TORCH_CHECK(start >= 0 && start + tokens <= L, "tree attention: rows at ", start, "..", start + tokens, " past ", L, " cached");
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && KV > 0 && H % KV == 0,
+              "tree attention: head dim ", D, " (16, 32, 64, 128 or 256), ", H, " query heads over ", KV, " KV heads");
   if (tokens == 0) return;
   const float softmax_scale = 1.0f / std::sqrt(float(D));
   std::vector<int8_t> codes(size_t(tokens * H * D));

@@ -43,7 +43,7 @@ void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, 
                                int64_t KV, int64_t L, int64_t head_stride, int64_t start, float* out);
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start);
 template <typename T>
-void tree_attention_into(const T* q, int64_t rows_count, int64_t H, int64_t D, T* keys, T* values, int64_t KV, int64_t L,
+void tree_attention_into(const T* q, int64_t tokens, int64_t H, int64_t D, T* keys, T* values, int64_t KV, int64_t L,
                          int64_t head_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
                          int64_t key_stride, const T* new_values, int64_t value_stride, T* out);
 template <typename T>
@@ -524,7 +524,9 @@ std::optional<std::vector<at::Tensor>> layers_without_aten(
   if (std::getenv("DFLASH_LAYERS_WITHOUT_ATEN") != nullptr && std::string(std::getenv("DFLASH_LAYERS_WITHOUT_ATEN")) == "0") return std::nullopt;
   const bool cache_types = int8_cache ? keys.scalar_type() == at::kByte && values.scalar_type() == at::kChar
                                      : keys.scalar_type() == kBf16 && values.scalar_type() == kBf16;
-  if (x_in.dim() != 2 || x_in.scalar_type() != kBf16 || !cache_types ||
+  const bool scales_alike = !int8_cache || (key_scales.dim() == 3 && key_scales.stride(2) == 1 &&
+                                            value_scales.strides() == key_scales.strides());
+  if (x_in.dim() != 2 || x_in.scalar_type() != kBf16 || !cache_types || !scales_alike ||
       keys.dim() != 4 || keys.size(3) != D || keys.stride(3) != 1 || keys.stride(2) != D || values.strides() != keys.strides() ||
       values.sizes() != keys.sizes() || cos.scalar_type() != kBf16 || sin.scalar_type() != kBf16 || cos.dim() != 3 ||
       cos.size(0) != T || cos.size(2) != D || cos.stride(2) != 1 || sin.sizes() != cos.sizes() || sin.strides() != cos.strides() ||
@@ -751,6 +753,9 @@ std::vector<at::Tensor> decode_layers(
         using E = decltype(type);
         if (int8_cache) {
           const auto layer_key_scales = key_scales.select(0, layer), layer_value_scales = value_scales.select(0, layer);
+          TORCH_CHECK(layer_key_scales.stride(1) == 1 && layer_value_scales.strides() == layer_key_scales.strides() &&
+                          layer_values.strides() == layer_keys.strides(),
+                      "decode_layers: an int8 cache's scales must be [KV, L] rows alike for keys and values");
           tree_attention_int8_into(rows.data_ptr<E>(), T, H, D, layer_keys.data_ptr<uint8_t>(), layer_values.data_ptr<int8_t>(),
                                    layer_key_scales.data_ptr<float>(), layer_value_scales.data_ptr<float>(), KV,
                                    layer_keys.size(1), layer_keys.stride(0), layer_key_scales.stride(0), start, chains,
