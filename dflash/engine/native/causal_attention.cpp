@@ -1220,6 +1220,21 @@ AVX2_TARGET void finish(const Partial& state, OT* out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] = OT(row[d]);
 }
 
+// Runs task(h, first, last, c) for rows [first, last) of every KV head h over every chunk c below
+// `chunks`, in chunk order. Few (head, chunk) pairs leave threads idle (a short context: 3 KV heads'
+// one full chunk over 2 threads ran 2:1), so the rows are split too, into parts enough for ~4 tasks
+// a thread; a row's partial is the same whatever rows share its task.
+template <typename Task>
+void few_rows_tasks(int64_t KV, int64_t chunks, int64_t R, Task&& task, bool worth_waking) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = threads < 2 ? 1 : std::clamp<int64_t>((4 * threads + KV * chunks - 1) / (KV * chunks), 1, R);
+  step_pool::parallel_tasks(KV * chunks * parts, [&](int64_t i) {
+    const int64_t c = i / (KV * parts), h = i / parts % KV, part = i % parts;
+    const int64_t first = part * R / parts, last = (part + 1) * R / parts;
+    if (first < last) task(h, first, last, c);
+  }, worth_waking);
+}
+
 // Runs partials(h, first, last, c, into) (rows [first, last) of KV head h over chunk c, into their
 // partials D + 2 apart) for every head and chunk, merges each row's partials in chunk order and
 // writes out. Few rows: one task per (head, chunk); many: one per (head, block of tokens).
@@ -1231,16 +1246,9 @@ void schedule(const Rows<QT>& rows, int64_t KV, OT* out, Partials&& partials) {
   const bool worth_waking = 2 * KV * R * (rows.position(R - 1) + 1) * D >= step_pool::kWorthWakingMacs;
   if (R <= kFewRows) {  // every (head, chunk, part of the rows) a task, then merge per row in chunk order
     auto buffer = partial_buffer(KV * chunks * R, D);
-    // Few (head, chunk) pairs leave threads idle (a short context: 3 KV heads' one full chunk over 2
-    // threads ran 2:1), so the rows are split too, into parts enough for ~4 tasks a thread; a row's
-    // partial is the same whatever rows share its task. Full chunks first, each task claimed on its
-    // own: the last chunk is the short one.
-    const int64_t threads = at::get_num_threads();
-    const int64_t parts = threads < 2 ? 1 : std::clamp<int64_t>((4 * threads + KV * chunks - 1) / (KV * chunks), 1, R);
-    step_pool::parallel_tasks(KV * chunks * parts, [&](int64_t task) {
-      const int64_t c = task / (KV * parts), h = task / parts % KV, part = task % parts;
-      const int64_t first = part * R / parts, last = (part + 1) * R / parts;
-      if (first < last) partials(h, first, last, c, buffer.get() + ((h * chunks + c) * R + first) * S);
+    // Full chunks first, each task claimed on its own: the last chunk is the short one.
+    few_rows_tasks(KV, chunks, R, [&](int64_t h, int64_t first, int64_t last, int64_t c) {
+      partials(h, first, last, c, buffer.get() + ((h * chunks + c) * R + first) * S);
     }, worth_waking);
     step_pool::parallel_for(KV * R, 1, [&](int64_t begin, int64_t end) {
       auto state_buffer = partial_buffer(1, D);
@@ -1872,16 +1880,12 @@ template <int D, typename OT, typename MakeRows, typename Partials, typename Wri
 void attend_tree(int64_t tokens, int64_t H, int64_t KV, int64_t start, const std::vector<TreeChain>& chains, OT* out,
                  MakeRows&& make_rows, Partials&& partials, WritePath&& write_path) {
   const int64_t G = H / KV, R = tokens * G, S = D + 2, shared = start / kChunk;
-  // the committed chunks: every (head, chunk, part of the rows) a task, as schedule's few rows
+  // the committed chunks: every (head, chunk, part of the rows) a task (few_rows_tasks, as schedule)
   auto shared_partials = partial_buffer(std::max<int64_t>(KV * shared * R, 1), D);
   if (shared > 0) {
     const auto all = make_rows(0, start, tokens);  // positions start.., past every shared chunk
-    const int64_t threads = at::get_num_threads();
-    const int64_t parts = threads < 2 ? 1 : std::clamp<int64_t>((4 * threads + KV * shared - 1) / (KV * shared), 1, R);
-    step_pool::parallel_tasks(KV * shared * parts, [&](int64_t task) {
-      const int64_t c = task / (KV * parts), h = task / parts % KV, part = task % parts;
-      const int64_t first = part * R / parts, last = (part + 1) * R / parts;
-      if (first < last) partials(all, h, first, last, c, shared_partials.get() + ((h * shared + c) * R + first) * S);
+    few_rows_tasks(KV, shared, R, [&](int64_t h, int64_t first, int64_t last, int64_t c) {
+      partials(all, h, first, last, c, shared_partials.get() + ((h * shared + c) * R + first) * S);
     }, 2 * KV * R * shared * kChunk * D >= step_pool::kWorthWakingMacs);
   }
   // the chains' chunks, per KV head: each chain's path written, its rows' partials over the chunks
@@ -2169,6 +2173,14 @@ void causal_attention_f32_into(const float* q, int64_t T, int64_t H, int64_t D, 
   attend_rows(q, T, H, D, keys, values, KV, L, head_stride, start, out, false);
 }
 
+namespace {
+void check_tree_rows(int64_t tokens, int64_t H, int64_t D, int64_t KV, int64_t L, int64_t start) {
+  TORCH_CHECK(start >= 0 && start + tokens <= L, "tree attention: rows at ", start, "..", start + tokens, " past ", L, " cached");
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && KV > 0 && H % KV == 0,
+              "tree attention: head dim ", D, " (16, 32, 64, 128 or 256), ", H, " query heads over ", KV, " KV heads");
+}
+}  // namespace
+
 // A draft tree's attention in one call (attend_tree): q [T, H, D] its rows (tree_chain.h), a layer's
 // keys and values [KV, L, D] (heads head_stride apart, positions 0..start-1 committed), new_keys and
 // new_values row t's key and value for KV head h at t * stride + h * D; out [T, H, D]. Writes each
@@ -2177,9 +2189,7 @@ template <typename T>
 void tree_attention_into(const T* q, int64_t tokens, int64_t H, int64_t D, T* keys, T* values, int64_t KV, int64_t L,
                          int64_t head_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
                          int64_t key_stride, const T* new_values, int64_t value_stride, T* out) {
-  TORCH_CHECK(start >= 0 && start + tokens <= L, "tree attention: rows at ", start, "..", start + tokens, " past ", L, " cached");
-  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && KV > 0 && H % KV == 0,
-              "tree attention: head dim ", D, " (16, 32, 64, 128 or 256), ", H, " query heads over ", KV, " KV heads");
+  check_tree_rows(tokens, H, D, KV, L, start);
   if (tokens == 0) return;
   const bool bf16_values = std::is_same_v<T, at::BFloat16> && bf16_values_chosen(), amx = amx_rows(bf16_values, D);
   const float scale = 1.0f / std::sqrt(float(D));
@@ -2221,9 +2231,7 @@ void tree_attention_int8_into(const T* q, int64_t tokens, int64_t H, int64_t D, 
                               int64_t scale_stride, int64_t start, const std::vector<TreeChain>& chains, const T* new_keys,
                               int64_t key_stride, const T* new_values, int64_t value_stride, T* out) {
   TORCH_CHECK(cpu_has_avx512_vnni(), "tree attention over an int8 cache: needs AVX512-VNNI");
-  TORCH_CHECK(start >= 0 && start + tokens <= L, "tree attention: rows at ", start, "..", start + tokens, " past ", L, " cached");
-  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && KV > 0 && H % KV == 0,
-              "tree attention: head dim ", D, " (16, 32, 64, 128 or 256), ", H, " query heads over ", KV, " KV heads");
+  check_tree_rows(tokens, H, D, KV, L, start);
   if (tokens == 0) return;
   const float softmax_scale = 1.0f / std::sqrt(float(D));
   std::vector<int8_t> codes(size_t(tokens * H * D));
