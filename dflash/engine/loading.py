@@ -414,9 +414,9 @@ def draft_vocabulary(folder: str | os.PathLike) -> list[int] | None:
 
 def serving_draft(folder: str | os.PathLike, dtype: str, weights: str):
     """A DFlash checkpoint as the server runs it: in the activations' dtype, its projections fused
-    (DFlashDraftModel.fuse_projections), and its linears in int8 where the target's weights are
-    quantized, or where they are not but our int8 kernels run here with bf16 activations
-    (quant.quantize_draft_linears says why)."""
+    (DFlashDraftModel.fuse_projections), and its linears in int8 (int4 on AVX2 alone:
+    quant.draft_linear_kind) where the target's weights are quantized, or where they are not but
+    our int8 kernels run here with bf16 activations (quant.quantize_draft_linears says why)."""
     draft = load_dflash_checkpoint(Path(folder).expanduser(), DTYPES[dtype]).fuse_projections()
     if weights in ("int8", "int4") or (dtype == "bfloat16" and quant_kernels() == "int8-dot"):
         quantize_draft_linears(draft)

@@ -200,19 +200,38 @@ class Int4Linear(QuantizedLinear):
 
 
 
+def draft_linear_kind() -> type["QuantizedLinear"]:
+    """The format of a served drafter's linears (quantize_draft_linears) and of its head's rows:
+    int8, or int4 where our kernels run on AVX2 alone. Why: without VNNI an int8 weight is split
+    into two nibbles for vpmaddubsw, so a row of int8 costs twice the multiplies of a row of int4;
+    a proposal (8 rows through each layer, 7 through the head) is compute-bound there, and took
+    4.1 ms against a 5.8 ms int4 decode step (AMD EPYC Zen 2, 2 threads; bench/propose.py), while
+    int4 layers and head kept the same drafts' acceptance (bench/unseen_acceptance.py, trees of 7:
+    mean τ 3.13 int8, 3.12 int4). With VNNI an int8 quad is one vpdpbusd as an int4 one is (which
+    is unpacked first): int8 stays there. Read on every call, so DFLASH_INT8DOT_ISA=avx2 picks int4
+    on any CPU (the tests)."""
+    native = native_extension()
+    if kernels() == "int8-dot" and native.int8dot_isa(8, False) == "avx2":
+        return Int4Linear
+    return Int8Linear
+
+
 def quantize_draft_linears(draft: nn.Module) -> None:
-    """Every linear of a DFlash drafter (drafters/dflash.py) to int8, in place: for a target served
-    in int8 or int4, and for one in bf16 where our int8 kernels run. A proposal runs 8 rows through
+    """Every linear of a DFlash drafter (drafters/dflash.py) to int8 (int4 where draft_linear_kind
+    says so), in place: for a target served in int8 or int4, and for one in bf16 where our int8
+    kernels run. A proposal runs 8 rows through
     each draft layer, where torch's bf16 matmuls cost ~200 us a call on an AVX512-BF16 CPU without
     AMX (Zen 4; a throwaway profile), and with bf16 weights on an AMX VM a proposal read ~40 MB of
     bf16 weights: 6.7 ms against 1.7 with int8 layers and head (a 35 ms decode step there). The
     int8-dot kernels read half the bytes and the layers run as one C++ call (`bench/propose.py`
     times the proposal both ways). Proposals stay proposals: the target verifies every token, so
     this changes what is accepted, never what is output."""
+    kind = draft_linear_kind()
     for module in list(draft.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child.weight, child.bias))
+                fits = kind is Int8Linear or Int4Linear.fits(child.weight)
+                setattr(module, name, (kind if fits else Int8Linear)(child.weight, child.bias))
 
 
 def quantize_linears(model: nn.Module, weights: str) -> None:

@@ -243,13 +243,14 @@ def test_the_head_cross_entropy_is_autograds_loss_and_gradient():
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "bf16"])
-def test_the_shipped_drafter_served_on_quantized_weights_drafts_through_int8_and_stays_lossless(embedded_gguf, weights):
-    """On int8/int4 targets the server runs the drafter's linears in int8 (quant.quantize_draft_linears),
-    and on bf16 ones where our int8 kernels run, its head's rows too; greedy output is still plain
-    greedy output, and the drafter still gets most of its drafts accepted."""
+def test_the_shipped_drafter_served_on_quantized_weights_drafts_through_our_kernels_and_stays_lossless(embedded_gguf, weights):
+    """On int8/int4 targets the server runs the drafter's linears in int8, int4 on AVX2 alone
+    (quant.quantize_draft_linears, draft_linear_kind), and on bf16 ones where our int8 kernels run,
+    its head's rows too; greedy output is still plain greedy output, and the drafter still gets
+    most of its drafts accepted."""
     from dflash.chat.template import render_prompt
     from dflash.engine.loading import load_model
-    from dflash.engine.quant import Int8Linear
+    from dflash.engine.quant import draft_linear_kind
     from dflash.engine.quant import kernels as quant_kernels
     from dflash.engine.sampling import SamplingParams
     from dflash.engine.speculative import SpeculationConfig
@@ -263,7 +264,7 @@ def test_the_shipped_drafter_served_on_quantized_weights_drafts_through_int8_and
     draft = engine.dflash_drafter.draft
     assert draft.config.num_layers == 3
     linears = (draft.fc, draft.layers[0].self_attn.q_proj, draft.layers[2].mlp.down_proj, engine.dflash_drafter.head)
-    assert all(isinstance(m, Int8Linear) for m in linears)
+    assert all(isinstance(m, draft_linear_kind()) for m in linears)
     # ... and scores its drafts against the rows of its draft vocabulary (draft_vocab.json) only
     vocabulary = engine.dflash_drafter.vocabulary
     assert vocabulary is not None and len(vocabulary) == 16384 and engine.dflash_drafter.head.out_features == 16384

@@ -230,21 +230,25 @@ def test_block_attention_on_the_native_kernel_matches_torch(dtype):
     torch.testing.assert_close(block_attention(q, keys, values).float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("kind", ["Int8Linear", "Int4Linear"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_the_served_drafter_s_native_layers_equal_its_python_layers_bit_for_bit(target, cache_dtype, monkeypatch):
+def test_the_served_drafter_s_native_layers_equal_its_python_layers_bit_for_bit(target, cache_dtype, kind, monkeypatch):
     """draft_layers (decode_layers.cpp) runs DFlashDraftModel.forward as served (bf16, fused, int8
-    linears): the same block outputs and cache rows as the Python layers, with new context rows and
-    without, over an fp32 or a bf16 cache."""
+    linears, or int4 ones where the CPU has AVX2 alone: quant.draft_linear_kind): the same block
+    outputs and cache rows as the Python layers, with new context rows and without, over an fp32
+    or a bf16 cache."""
     import dflash.engine.drafters.dflash as dflash_module
+    import dflash.engine.quant as quant
     from dflash.engine.kv import KVCache
     from dflash.engine.native import extension
-    from dflash.engine.quant import quantize_draft_linears
 
     if extension() is None or not extension().int8dot_available():
         pytest.skip("the native kernels are not built here")
     c = tiny_config(block_size=8, hidden_size=64, intermediate_size=96, head_dim=16)
     draft = random_draft_model(c, seed=5, dtype=torch.bfloat16).fuse_projections()
-    quantize_draft_linears(draft)
+    monkeypatch.setattr(quant, "draft_linear_kind", lambda: getattr(quant, kind))
+    quant.quantize_draft_linears(draft)
+    assert all(type(m) is getattr(quant, kind) for m in draft.modules() if isinstance(m, quant.QuantizedLinear))
     assert draft.native_arguments() is not None
     cos, sin = rope_tables(draft.inv_freq.float(), 64, 1.0, torch.bfloat16, "cpu")
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -266,6 +270,31 @@ def test_the_served_drafter_s_native_layers_equal_its_python_layers_bit_for_bit(
     native, python = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(native[0], python[0]))
     assert torch.equal(native[1], python[1]) and torch.equal(native[2], python[2])
+
+
+def test_the_served_drafter_is_int4_where_our_kernels_run_on_avx2_alone_and_int8_elsewhere(target, monkeypatch):
+    """quant.draft_linear_kind: AVX2 without VNNI splits an int8 weight into two nibbles, so a
+    drafter's rows cost twice an int4 one's there; with VNNI (or torch's kernels) int8 stays. The
+    head's draft-vocabulary rows follow the layers."""
+    import dflash.engine.quant as quant
+    from dflash.engine.native import extension
+
+    if extension() is None or not extension().int8dot_available():
+        pytest.skip("the native kernels are not built here")
+    c = tiny_config(block_size=4, hidden_size=64, intermediate_size=96, head_dim=16)
+    expected = {"avx2": quant.Int4Linear}
+    if extension().vnni_available():
+        expected["vnni"] = quant.Int8Linear
+    for isa, kind in expected.items():
+        monkeypatch.setenv("DFLASH_INT8DOT_ISA", isa)
+        assert quant.draft_linear_kind() is kind
+        draft = random_draft_model(c, seed=5, dtype=torch.bfloat16).fuse_projections()
+        quant.quantize_draft_linears(draft)
+        assert {type(m) for m in draft.modules() if isinstance(m, quant.QuantizedLinear)} == {kind}
+        drafter = DFlashDrafter(draft, target, 64, vocabulary=list(range(0, 64, 2)))
+        assert type(drafter.head) is kind and drafter.head.out_features == 32
+    monkeypatch.setenv("DFLASH_KERNELS", "torch")
+    assert quant.draft_linear_kind() is quant.Int8Linear
 
 
 def test_a_proposal_after_a_long_prompt_says_how_long_its_context_took_to_catch_up(target):
@@ -315,13 +344,14 @@ def test_the_proposal_bench_drives_the_drafter_as_the_engine_does(target):
 
 
 @pytest.mark.parametrize("dtype,weights", [("bfloat16", "bf16"), ("float32", "fp32"), ("bfloat16", "int4")])
-def test_the_served_drafter_is_int8_where_our_kernels_run_with_bf16_activations(dtype, weights):
-    """loading.serving_draft: int8 linears (its layers then one C++ call) on a quantized target, and
-    on a bf16 one where our int8 kernels run; fp32 activations keep the checkpoint's linears."""
+def test_the_served_drafter_is_quantized_where_our_kernels_run_with_bf16_activations(dtype, weights):
+    """loading.serving_draft: int8 linears (int4 on AVX2 alone: quant.draft_linear_kind; its layers
+    then one C++ call) on a quantized target, and on a bf16 one where our int8 kernels run; fp32
+    activations keep the checkpoint's linears."""
     from dflash.engine.loading import SHIPPED_DRAFTERS, serving_draft
-    from dflash.engine.quant import Int8Linear, kernels
+    from dflash.engine.quant import draft_linear_kind, kernels
 
     draft = serving_draft(SHIPPED_DRAFTERS["embedded:smollm2-135m-instruct"], dtype, weights)
-    int8 = weights == "int4" or (dtype == "bfloat16" and kernels() == "int8-dot")
-    assert isinstance(draft.layers[0].mlp.down_proj, Int8Linear) == int8
-    assert isinstance(draft.fc, Int8Linear) == int8
+    quantized = weights == "int4" or (dtype == "bfloat16" and kernels() == "int8-dot")
+    assert isinstance(draft.layers[0].mlp.down_proj, draft_linear_kind()) == quantized
+    assert isinstance(draft.fc, draft_linear_kind()) == quantized

@@ -264,9 +264,9 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
     def native_arguments(self) -> dict | None:
-        """draft_layers' tensors where the drafter is served in bf16 with every linear int8 on our
-        kernels and its projections fused (loading.serving_draft on an int8/int4 target), else None."""
-        from dflash.engine.quant import Int8Linear
+        """draft_layers' tensors where the drafter is served in bf16 with every linear int8 or int4 on
+        our kernels and its projections fused (loading.serving_draft on an int8/int4 target), else None."""
+        from dflash.engine.quant import Int4Linear, Int8Linear
 
         attention_modules = [layer.self_attn._modules for layer in self.layers]
         mlp_modules = [layer.mlp._modules for layer in self.layers]
@@ -279,11 +279,12 @@ class DFlashDraftModel(nn.Module):
         arguments = None
         c = self.config
         if (self.dtype == torch.bfloat16 and self.norm.weight.device.type == "cpu" and c.head_dim % 16 == 0
-                and all(isinstance(l, Int8Linear) and l.kernels != "torch" for row in linears for l in row)):
+                and all(isinstance(l, (Int8Linear, Int4Linear)) and l.kernels != "torch" for row in linears for l in row)):
             arguments = dict(
                 norms=[w for layer in self.layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                                            layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)],
-                linears=[t for row in linears for l in row for t in (l.qweight, l.scales)],
+                linears=[t for row in linears for l in row
+                         for t in ((l.qweight, l.scales) if isinstance(l, Int8Linear) else (l.packed, l.scales_and_zeros))],
                 H=c.num_heads, KV=c.num_kv_heads, D=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps)
         self.__dict__["_native_arguments"] = (signature, arguments)
         return arguments
@@ -332,7 +333,7 @@ class DFlashDrafter:
             if ids[0] < 0 or ids[-1] >= target.args.vocab_size:
                 raise DraftLoadError(f"draft vocabulary ids {ids[0]}..{ids[-1]} outside the target's {target.args.vocab_size}")
             self.vocabulary = torch.tensor(ids, dtype=torch.long, device=device)
-            self.head = head_rows(target.lm_head, self.vocabulary, int8=draft.native_arguments() is not None)
+            self.head = head_rows(target.lm_head, self.vocabulary, quantized=draft.native_arguments() is not None)
 
     @property
     def block_size(self) -> int:
@@ -439,16 +440,17 @@ class DFlashDrafter:
         self.rows[start : start + len(positions)] = self.rows[positions]
 
 
-def head_rows(head: nn.Module, ids: Tensor, int8: bool = False) -> nn.Module:
-    """The LM head `head` restricted to the output rows `ids`: int8 where the target's is quantized
-    (its rows dequantized and quantized again: a draft needs no more) or where `int8` asks for it
-    (a drafter whose layers run in int8: loading.serving_draft), else the rows as they are."""
-    from dflash.engine.quant import Int8Linear, QuantizedLinear
+def head_rows(head: nn.Module, ids: Tensor, quantized: bool = False) -> nn.Module:
+    """The LM head `head` restricted to the output rows `ids`: in the drafter's linears' format
+    (quant.draft_linear_kind: int8, int4 on AVX2 alone) where the target's is quantized (its rows
+    dequantized and quantized again: a draft needs no more) or where `quantized` asks for it (a
+    drafter whose layers run on our kernels: loading.serving_draft), else the rows as they are."""
+    from dflash.engine.quant import QuantizedLinear, draft_linear_kind
 
     if isinstance(head, QuantizedLinear):
-        return Int8Linear(head.dequantized(torch.float32)[ids], None)
-    if int8:
-        return Int8Linear(head.weight[ids], None)
+        return draft_linear_kind()(head.dequantized(torch.float32)[ids], None)
+    if quantized:
+        return draft_linear_kind()(head.weight[ids], None)
     rows = Linear(head.in_features, len(ids), bias=False, device=head.weight.device, dtype=head.weight.dtype)
     with torch.no_grad():
         rows.weight.copy_(head.weight[ids])

@@ -809,7 +809,7 @@ std::vector<at::Tensor> decode_layers(
 }
 
 // The DFlash drafter's layers over one block (drafters/dflash.py, DFlashDraftModel.forward as the
-// server runs it: int8 linears on our kernels, fused kv_proj and gate_up_proj, q/k norms, bf16
+// server runs it: int8 or int4 linears on our kernels, fused kv_proj and gate_up_proj, q/k norms, bf16
 // activations, an fp32 or bf16 cache): the same kernels and roundings in the same order as that
 // Python code, so the same drafts (tests/model/test_dflash.py), without its ~30 ATen calls a layer
 // (most of a proposal's 3 ms on Zen 4: bench/propose.py). x [B, C] the block's rows (positions
@@ -842,11 +842,16 @@ at::Tensor draft_layers(const at::Tensor& x_in, const at::Tensor& context, const
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (int which = 0; which < 5; ++which) {
       const auto &codes = linears[10 * layer + 2 * which], &scales = linears[10 * layer + 2 * which + 1];
+      // int8 (codes [N/16, K/32, 8, 64], fp32 scales [N]) or int4 ([N/16, K/32, 4, 64], bf16 scales
+      // and zeros [N/16, K/32, 2, 16]), told apart by the codes' bytes a group
+      const bool int4 = codes.dim() == 4 && codes.size(2) * codes.size(3) == 256;
       TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte &&
                       codes.size(0) * 16 == outputs[which] && codes.size(1) * 32 == in_features[which] &&
-                      codes.size(2) * codes.size(3) == 512 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                      scales.numel() == outputs[which],
-                  "draft_layers: linear ", which, " of layer ", layer, " is not int8 in quant.py's layout: ", codes.sizes());
+                      (int4 || codes.size(2) * codes.size(3) == 512) && scales.is_contiguous() &&
+                      scales.scalar_type() == (int4 ? kBf16 : at::kFloat) &&
+                      scales.numel() == (int4 ? codes.size(0) * codes.size(1) * 32 : outputs[which]),
+                  "draft_layers: linear ", which, " of layer ", layer, " is neither int8 nor int4 in quant.py's layout: ",
+                  codes.sizes(), " codes, ", scales.sizes(), " ", scales.scalar_type(), " scales");
     }
     for (int n = 0; n < 4; ++n) {
       const auto& w = norms[4 * layer + n];
@@ -872,8 +877,11 @@ at::Tensor draft_layers(const at::Tensor& x_in, const at::Tensor& context, const
   const int64_t rope_stride = cos.stride(0);
   const float epsilon = float(eps);
   auto linear = [&](int64_t layer, int which, const bf16* in, int64_t rows, bf16* out) {
-    quantized_matmul_into(in, rows, in_features[which], linears[10 * layer + 2 * which].data_ptr<uint8_t>(),
-                          linears[10 * layer + 2 * which + 1].data_ptr<float>(), outputs[which], false, out);
+    const auto &codes = linears[10 * layer + 2 * which], &scales = linears[10 * layer + 2 * which + 1];
+    const bool int4 = scales.scalar_type() == kBf16;  // checked above
+    quantized_matmul_into(in, rows, in_features[which], codes.data_ptr<uint8_t>(),
+                          int4 ? static_cast<const void*>(scales.data_ptr<bf16>()) : scales.data_ptr<float>(),
+                          outputs[which], int4, out);
   };
   for (int64_t layer = 0; layer < layers; ++layer) {
     const bf16 *input_norm = norms[4 * layer].data_ptr<bf16>(), *post_norm = norms[4 * layer + 1].data_ptr<bf16>();
