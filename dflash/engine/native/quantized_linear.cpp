@@ -330,6 +330,19 @@ AVX2_TARGET inline __m256i quad_avx2(const int8_t* q) {  // 4 int8 broadcast to 
   return _mm256_set1_epi32(bits);
 }
 
+// int4 codes 6 KB ahead of a block's group are fetched while it is computed (half 0 reads a tile
+// first; half 1 finds it in L1). Why: with a few rows the cores waited on memory between tiles
+// (AMD EPYC Zen 2, 2 threads, the embedded model in int4 at 300 of context, medians of 5 runs
+// alternated: a 1+1-row verification 8.47 -> 7.58 ms; 1+3 rows ~5% less; a decode step and
+// prefill the same within noise). The same for the int8 kernels (the LM head) cost that gain back.
+constexpr int64_t kPrefetchTiles = 24;
+
+AVX2_TARGET inline void prefetch_int4_tile(const uint8_t* codes, const at::BFloat16* scales, int64_t tile) {
+  const char* ahead = reinterpret_cast<const char*>(codes + (tile + kPrefetchTiles) * 256);
+  for (int line = 0; line < 256; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales + (tile + kPrefetchTiles) * 32), _MM_HINT_T0);
+}
+
 // One half (channels 8 half .. 8 half + 7) of a block over rows [m0, m0 + Rows). A 64-byte chunk
 // of codes holds the 16 channels; its bytes 32 half .. 32 half + 31 are this half's.
 template <int Rows>
@@ -341,6 +354,7 @@ AVX2_TARGET void int4_avx2(const QuantizedRows& x, int64_t m0, const uint8_t* co
   for (int64_t g = 0; g < x.groups; ++g) {
     const int64_t tile = block * x.groups + g;
     const uint8_t* packed = codes + tile * 256 + 32 * half;
+    if (half == 0) prefetch_int4_tile(codes, scales, tile);
     __m256i sums[Rows];  // int16 pairs: at most 8 * 3840 in magnitude
     UNROLLED for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // chunk c: quad 2c in the low nibbles, 2c + 1 in the high ones
