@@ -468,10 +468,14 @@ class SpeculationPolicy:
             return
         state = self.state[drafter.name]
         looked, state.looked = state.looked, False
-        # A look through a carried pause that pays ends the pause but keeps its length: one lucky
-        # step at a chat reply's start had restarted the pauses from PAUSE_STEPS, and the probes
-        # after it cost deep in a context (int4, AMX VM, 2K-token system prompt: auto on chat 0.93x).
-        pause_length = state.pause_length if looked else self.PAUSE_STEPS
+        # A verification that pays ends the pause and halves its length, back towards PAUSE_STEPS
+        # (a look through a carried pause keeps it: one lucky step at a chat reply's start had
+        # restarted the pauses, and the probes after it cost deep in a context: int4, AMX VM,
+        # 2K-token system prompt, auto on chat 0.93x). Why halve, not restart: on chat a probe
+        # now and then keeps its one draft by chance (n-gram: ~1 in 5), and each such step had
+        # restarted the backoff, so probes came every few steps again; a drafter that really pays
+        # keeps paying step after step, and its pause is short again within a few steps.
+        pause_length = state.pause_length if looked else max(self.PAUSE_STEPS, state.pause_length // 2)
         calibration = state.calibration()
         if expected is not None:
             state.kept = 0.9 * state.kept + accepted

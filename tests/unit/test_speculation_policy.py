@@ -574,3 +574,23 @@ def test_a_verifications_cost_is_a_line_over_its_rows():
         cost.add(rows, 0.1 + 0.07 * rows)
     fixed, per_row = cost.line()
     assert abs(per_row - 0.07) < 0.01 and abs(fixed - 0.1) < 0.03
+
+
+def test_a_verification_that_pays_halves_the_pause_length_instead_of_restarting_it():
+    """Backoff: on chat a probe keeps its one draft by chance now and then (n-gram: ~1 in 5); had
+    such a step restarted the pause length at PAUSE_STEPS, probes would come every few steps again.
+    A drafter that really pays keeps paying, and its pause length is back at PAUSE_STEPS within a
+    few steps."""
+    drafter = ScriptedDrafter()
+    policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
+    baseline(policy, 0.010)
+    state = policy.state["ngram"]
+    state.pause_length = 8 * SpeculationPolicy.PAUSE_STEPS  # after three failed probes
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), len(draft), 0.011)  # a lucky probe: it pays
+    assert state.pause == 0 and state.pause_length == 4 * SpeculationPolicy.PAUSE_STEPS
+    for _ in range(3):
+        chosen, draft = policy.choose([1, 2, 3])
+        policy.record(chosen, len(draft), len(draft), 0.011)
+    assert state.pause_length == SpeculationPolicy.PAUSE_STEPS
+
