@@ -1,6 +1,7 @@
 """What one DFlash proposal costs, next to a plain decode step: the drafter as its checkpoint stores
 it (bf16 linears, unfused), with its projections fused, and as the server runs it (fused, and int8
-linears on an int8/int4 target, and on a bf16 one where our int8 kernels run: loading.serving_draft;
+linears, int4 on AVX2 alone, on an int8/int4 target, and on a bf16 one where our int8 kernels run:
+loading.serving_draft, quant.draft_linear_kind;
 its layers then run as one C++ call, draft_layers), and as served with its draft vocabulary (the checkpoint's draft_vocab.json: the LM
 head's rows for those ids only); then the served one's parts.
 

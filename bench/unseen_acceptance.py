@@ -47,7 +47,7 @@ def main() -> None:
     print("|---" * (len(UNSEEN_PROMPTS) + 3) + "|")
     slots = []
     for folder in args.drafters:
-        draft = serving_draft(folder, loaded.dtype, loaded.weights)  # int8 linears on a quantized target
+        draft = serving_draft(folder, loaded.dtype, loaded.weights)  # int8 (AVX2 alone: int4) linears, as served
         vocabulary = None if args.full_vocabulary else draft_vocabulary(folder)  # as the server proposes
         shapes = [("chain", 0)] + [(f"tree of {rows}", int(rows)) for rows in args.tree_rows.split(",")]
         for shape, rows in shapes:

@@ -281,6 +281,7 @@ def test_the_served_drafter_is_int4_where_our_kernels_run_on_avx2_alone_and_int8
 
     if extension() is None or not extension().int8dot_available():
         pytest.skip("the native kernels are not built here")
+    monkeypatch.delenv("DFLASH_KERNELS", raising=False)  # our kernels, whatever the run forces
     c = tiny_config(block_size=4, hidden_size=64, intermediate_size=96, head_dim=16)
     expected = {"avx2": quant.Int4Linear}
     if extension().vnni_available():
@@ -293,6 +294,8 @@ def test_the_served_drafter_is_int4_where_our_kernels_run_on_avx2_alone_and_int8
         assert {type(m) for m in draft.modules() if isinstance(m, quant.QuantizedLinear)} == {kind}
         drafter = DFlashDrafter(draft, target, 64, vocabulary=list(range(0, 64, 2)))
         assert type(drafter.head) is kind and drafter.head.out_features == 32
+        # a draft vocabulary of rows that int4's blocks of 16 do not fit keeps an int8 head
+        assert type(DFlashDrafter(draft, target, 64, vocabulary=list(range(0, 48, 2))).head) is quant.Int8Linear
     monkeypatch.setenv("DFLASH_KERNELS", "torch")
     assert quant.draft_linear_kind() is quant.Int8Linear
 

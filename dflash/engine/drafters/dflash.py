@@ -445,12 +445,16 @@ def head_rows(head: nn.Module, ids: Tensor, quantized: bool = False) -> nn.Modul
     (quant.draft_linear_kind: int8, int4 on AVX2 alone) where the target's is quantized (its rows
     dequantized and quantized again: a draft needs no more) or where `quantized` asks for it (a
     drafter whose layers run on our kernels: loading.serving_draft), else the rows as they are."""
-    from dflash.engine.quant import QuantizedLinear, draft_linear_kind
+    from dflash.engine.quant import Int4Linear, Int8Linear, QuantizedLinear, draft_linear_kind
+
+    def in_draft_format(weight: Tensor) -> nn.Module:  # int8 where int4's blocks do not fit the rows
+        kind = draft_linear_kind()
+        return (kind if kind is Int8Linear or Int4Linear.fits(weight) else Int8Linear)(weight, None)
 
     if isinstance(head, QuantizedLinear):
-        return draft_linear_kind()(head.dequantized(torch.float32)[ids], None)
+        return in_draft_format(head.dequantized(torch.float32)[ids])
     if quantized:
-        return draft_linear_kind()(head.weight[ids], None)
+        return in_draft_format(head.weight[ids])
     rows = Linear(head.in_features, len(ids), bias=False, device=head.weight.device, dtype=head.weight.dtype)
     with torch.no_grad():
         rows.weight.copy_(head.weight[ids])
