@@ -207,7 +207,7 @@ def draft_linear_kind() -> type["QuantizedLinear"]:
     a proposal (8 rows through each layer, 7 through the head) is compute-bound there, and took
     4.1 ms against a 5.8 ms int4 decode step (AMD EPYC Zen 2, 2 threads; bench/propose.py), while
     int4 layers and head kept the same drafts' acceptance (bench/unseen_acceptance.py, trees of 7:
-    mean τ 3.13 int8, 3.12 int4). With VNNI an int8 quad is one vpdpbusd as an int4 one is (which
+    mean τ 3.12 int8, 3.13 int4). With VNNI an int8 quad is one vpdpbusd as an int4 one is (which
     is unpacked first): int8 stays there. Read on every call, so DFLASH_INT8DOT_ISA=avx2 picks int4
     on any CPU (the tests)."""
     native = native_extension()
