@@ -468,14 +468,20 @@ class SpeculationPolicy:
             return
         state = self.state[drafter.name]
         looked, state.looked = state.looked, False
-        # A verification that pays ends the pause and halves its length, back towards PAUSE_STEPS
-        # (a look through a carried pause keeps it: one lucky step at a chat reply's start had
-        # restarted the pauses, and the probes after it cost deep in a context: int4, AMX VM,
-        # 2K-token system prompt, auto on chat 0.93x). Why halve, not restart: on chat a probe
-        # now and then keeps its one draft by chance (n-gram: ~1 in 5), and each such step had
-        # restarted the backoff, so probes came every few steps again; a drafter that really pays
-        # keeps paying step after step, and its pause is short again within a few steps.
-        pause_length = state.pause_length if looked else max(self.PAUSE_STEPS, state.pause_length // 2)
+        # A verification that pays ends the pause and restarts its length at PAUSE_STEPS where it
+        # kept two drafts or more; where it kept one it halves the length, back towards
+        # PAUSE_STEPS. Why: on chat a probe now and then keeps its one draft by chance (n-gram: ~1
+        # in 5), and each such step had restarted the backoff, so probes came every few steps
+        # again; a drafter that pays on new text (coding after chat) keeps several drafts a step
+        # and gets short pauses back at once. A look through a carried pause keeps the length:
+        # one lucky step at a chat reply's start had restarted the pauses, and the probes after it
+        # cost deep in a context (int4, AMX VM, 2K-token system prompt: auto on chat 0.93x).
+        if looked:
+            pause_length = state.pause_length
+        elif accepted >= 2:
+            pause_length = self.PAUSE_STEPS
+        else:
+            pause_length = max(self.PAUSE_STEPS, state.pause_length // 2)
         calibration = state.calibration()
         if expected is not None:
             state.kept = 0.9 * state.kept + accepted

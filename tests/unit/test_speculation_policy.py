@@ -576,21 +576,20 @@ def test_a_verifications_cost_is_a_line_over_its_rows():
     assert abs(per_row - 0.07) < 0.01 and abs(fixed - 0.1) < 0.03
 
 
-def test_a_verification_that_pays_halves_the_pause_length_instead_of_restarting_it():
+def test_a_one_draft_hit_halves_the_pause_length_and_a_several_draft_one_restarts_it():
     """Backoff: on chat a probe keeps its one draft by chance now and then (n-gram: ~1 in 5); had
     such a step restarted the pause length at PAUSE_STEPS, probes would come every few steps again.
-    A drafter that really pays keeps paying, and its pause length is back at PAUSE_STEPS within a
-    few steps."""
+    A drafter that pays on new text keeps several drafts a step, and its pauses are short at once."""
     drafter = ScriptedDrafter()
     policy = SpeculationPolicy(SpeculationConfig(drafter="ngram", max_draft_tokens=8), {"ngram": drafter})
     baseline(policy, 0.010)
     state = policy.state["ngram"]
-    state.pause_length = 8 * SpeculationPolicy.PAUSE_STEPS  # after three failed probes
+    state.pause_length, state.block = 8 * SpeculationPolicy.PAUSE_STEPS, 1  # after three failed probes
     chosen, draft = policy.choose([1, 2, 3])
-    policy.record(chosen, len(draft), len(draft), 0.011)  # a lucky probe: it pays
+    assert len(draft) == 1
+    policy.record(chosen, 1, 1, 0.011)  # a lucky one-draft probe: it pays
     assert state.pause == 0 and state.pause_length == 4 * SpeculationPolicy.PAUSE_STEPS
-    for _ in range(3):
-        chosen, draft = policy.choose([1, 2, 3])
-        policy.record(chosen, len(draft), len(draft), 0.011)
-    assert state.pause_length == SpeculationPolicy.PAUSE_STEPS
-
+    state.block = 2
+    chosen, draft = policy.choose([1, 2, 3])
+    policy.record(chosen, len(draft), 2, 0.012)  # two drafts kept
+    assert state.pause == 0 and state.pause_length == SpeculationPolicy.PAUSE_STEPS
