@@ -148,7 +148,7 @@ def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedd
     assert meta["user_prefix"][-3:] == [1, 4093, 198]  # "<|im_start|>user\n"
     out = tmp_path / "run"
     main(["run", "--gguf", str(embedded_gguf), "--prompts", str(prompts), "--out", str(out), "--device", "cpu",
-          "--seconds", "600", "--sampled-prompts", "4", "--user-tokens", "16", "--batch", "8", "--prompt-limit", "24",
+          "--seconds", "600", "--sampled-prompts", "4", "--user-tokens", "64", "--batch", "8", "--prompt-limit", "24",
           "--tokens", "12", "--store-tokens", "20000", "--held-out", "4", "--sequences", "4", "--anchors", "8",
           "--steps", "12", "--eval-every", "1000", "--layers", "1"])
     summary = json.loads((out / "drafter" / "training.json").read_text())
