@@ -104,6 +104,58 @@ def test_incremental_context_equals_one_shot_context(target):
     assert len(expected) == 4
 
 
+def test_a_windowed_drafter_drafts_from_its_last_rows_as_a_drafter_given_only_those(target):
+    """With a window of W rows, a proposal over a longer context is bit for bit what a drafter that
+    was given only the last W rows proposes (positions shifted: RoPE sees distances); the cache
+    starts afresh once it would hold more than 2W rows, and after a rollback below its start."""
+    draft = random_draft_model(tiny_config(block_size=4), seed=2)
+    ids = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 17, 44, 3, 8, 21, 55, 6]
+    kv = target.new_kv_cache(64)
+    _, hidden = target(torch.tensor(ids), 0, kv, capture_layers=(0, 2))
+    rows = torch.cat(hidden, dim=-1)
+
+    def observe(drafter, start, end):
+        drafter.rows_at(start, end - start).copy_(rows[start:end])
+        drafter.observed(start, end - start)
+
+    windowed = DFlashDrafter(draft, target, 64, window=4)
+    observe(windowed, 0, 12)
+    assert windowed.pending_rows() == 4
+    logits = windowed._slot_logits(ids[:12] + [11], 3)
+    assert (windowed.offset, windowed.kv.length) == (8, 4)
+    given = DFlashDrafter(draft, target, 64, window=None)
+    given.rows_at(0, 4).copy_(rows[8:12])
+    given.observed(0, 4)
+    assert torch.equal(logits, given._slot_logits(ids[8:12] + [11], 3))
+
+    observe(windowed, 12, 16)  # 8 rows from the start: still one cache
+    assert windowed.pending_rows() == 4
+    windowed._slot_logits(ids[:16] + [11], 3)
+    assert (windowed.offset, windowed.kv.length) == (8, 8)
+    observe(windowed, 16, 17)  # 9: afresh at the last 4
+    assert windowed.pending_rows() == 4
+    windowed._slot_logits(ids + [11], 3)
+    assert (windowed.offset, windowed.kv.length) == (13, 4)
+    windowed.crop(12)  # below the cache's start: nothing of it is kept
+    assert (windowed.offset, windowed.kv.length, windowed.pending_rows()) == (0, 0, 4)
+    assert windowed.propose(ids[:12] + [11], 3) == greedy_ids(logits)
+
+
+def greedy_ids(logits):
+    return logits.float().argmax(-1).tolist()
+
+
+def test_a_drafter_with_a_short_window_still_decodes_plain_greedy(target):
+    prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90, 17, 44, 3, 8, 21, 55]
+    plain = Engine(target, max_ctx=128, prefill_chunk=4).start(prompt, SamplingParams(), 40).run()
+    drafter = DFlashDrafter(random_draft_model(tiny_config(block_size=4), seed=4), target, 128, window=3)
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=3, adaptive=False)
+    engine = Engine(target, max_ctx=128, prefill_chunk=4, speculation=config, dflash_drafter=drafter)
+    generation = engine.start(prompt, SamplingParams(), 40)
+    assert generation.run() == plain
+    assert generation.stats.verification_steps > 5 and drafter.offset > len(prompt)
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_dflash_greedy_equals_plain_greedy(target, block_size):
     prompt = [5, 9, 33, 2, 7, 100, 4, 61, 12, 90]
