@@ -286,6 +286,8 @@ class SpeculationPolicy:
     # (_DrafterState.peek). Why: its first proposal runs them through its layers, ~1.2 plain steps
     # for a 1.5K-token prompt with int4 (AMX VM), paid on every reply where the look declines (auto
     # on chat after a 2K-token system prompt, prefilled afresh each time: 0.93x against 0.96x).
+    # The served DFlash drafter catches up its window's rows at most (drafters/dflash.py
+    # CONTEXT_WINDOW, 256), so this bounds only a drafter built without a window.
     LOOK_PENDING_ROWS = 256
 
     def __init__(self, config: SpeculationConfig, drafters: dict[str, object], memory: SpeculationMemory | None = None,
