@@ -9,6 +9,11 @@ drafter's first choice at each slot (what training measures), and "tree of N", a
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/unseen_acceptance.py --weights int4 --tokens 32 \\
         dflash/drafters/smollm2-135m-instruct-b8 [OTHER_DRAFTER_DIR ...]
+
+`--system-tokens N` puts the captured Claude Code system prompt (~N tokens) before every prompt, as
+`bench/speculative.py --system-tokens` does: drafts deep in a context, as an agent's are;
+`--windows 256,none` measures the drafter's context window (drafters/dflash.py CONTEXT_WINDOW, as
+served) against others (none: the whole context), a row each.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from speculative import with_system  # noqa: E402  (bench/ is on the path: this script's folder)
+
 from dflash.engine.cpu import cpu_kind  # noqa: E402
+from dflash.engine.drafters.dflash import CONTEXT_WINDOW  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, draft_vocabulary, load_model, serving_draft  # noqa: E402
 from dflash.training.unseen import (  # noqa: E402
     UNSEEN_PROMPTS,
@@ -38,28 +46,40 @@ def main() -> None:
     parser.add_argument("--full-vocabulary", action="store_true",
                         help="propose from every token, not the checkpoint's draft_vocab.json")
     parser.add_argument("--tree-rows", default="7", help="rows of the trees, comma-separated for several (a row each)")
+    parser.add_argument("--system-tokens", type=int, default=0,
+                        help="put the captured Claude Code system prompt, cut to about this many tokens, before "
+                             "every conversation")
+    parser.add_argument("--windows", default=str(CONTEXT_WINDOW),
+                        help="the drafter's context windows to measure, comma-separated (none: the whole context)")
     parser.add_argument("--slots", action="store_true",
                         help="also each block slot's hit rate per prompt type (among blocks right up to it)")
     args = parser.parse_args()
-    loaded = load_model(args.model, weights=args.weights, max_ctx=2048, threads=args.threads)
-    print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens}")
-    print("| drafter | drafts | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
-    print("|---" * (len(UNSEEN_PROMPTS) + 3) + "|")
+    max_ctx = 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
+    loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads)
+    windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
+    conversations = {kind: [with_system(messages, args.system_tokens) for messages in kind_conversations]
+                     for kind, kind_conversations in UNSEEN_PROMPTS.items()} if args.system_tokens else None
+    print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens} "
+          f"system_tokens={args.system_tokens}")
+    print("| drafter | window | drafts | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
+    print("|---" * (len(UNSEEN_PROMPTS) + 4) + "|")
     slots = []
     for folder in args.drafters:
         draft = serving_draft(folder, loaded.dtype, loaded.weights)  # int8 (AVX2 alone: int4) linears, as served
         vocabulary = None if args.full_vocabulary else draft_vocabulary(folder)  # as the server proposes
         shapes = [("chain", 0)] + [(f"tree of {rows}", int(rows)) for rows in args.tree_rows.split(",")]
-        for shape, rows in shapes:
-            verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens,
-                                                 vocabulary=vocabulary, eos_token_ids=loaded.engine.eos_token_ids,
-                                                 tree_rows=rows)
-            taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
-            mean = sum(taus.values()) / len(taus)
-            print(f"| {folder} | {shape} | " + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |",
-                  flush=True)
-            slots += [(f"{folder} ({shape})", kind, slot_hit_rates(steps, draft.config.block_size - 1))
-                      for kind, steps in verifications.items()]
+        for window in windows:
+            for shape, rows in shapes:
+                verifications = unseen_verifications(loaded.engine.model, loaded.tokenizer, draft, tokens=args.tokens,
+                                                     max_ctx=max_ctx, vocabulary=vocabulary,
+                                                     eos_token_ids=loaded.engine.eos_token_ids, tree_rows=rows,
+                                                     window=window, conversations=conversations)
+                taus = {kind: acceptance_length(steps) for kind, steps in verifications.items()}
+                mean = sum(taus.values()) / len(taus)
+                print(f"| {folder} | {window or 'whole context'} | {shape} | "
+                      + " | ".join(f"{taus[k]:.2f}" for k in UNSEEN_PROMPTS) + f" | {mean:.2f} |", flush=True)
+                slots += [(f"{folder} ({shape}, window {window or 'whole context'})", kind,
+                           slot_hit_rates(steps, draft.config.block_size - 1)) for kind, steps in verifications.items()]
     if args.slots:
         width = max(len(rates) for _, _, rates in slots)
         print("\nhit rate of each block slot, among the blocks right up to it:\n")

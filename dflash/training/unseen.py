@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from dflash.chat.template import builtin_call_text, builtin_tool_prompt, render_prompt
+from dflash.engine.drafters.dflash import CONTEXT_WINDOW
 from dflash.protocols.canonical import ToolCall, ToolSpec
 
 _INVENTORY = '''class Inventory:
@@ -103,12 +104,13 @@ def slot_hit_rates(steps: list[tuple[int, int]], slots: int) -> list[float | Non
 
 
 def full_block_engine(target, draft, max_ctx: int = 2048, vocabulary: Sequence[int] | None = None,
-                      eos_token_ids: Sequence[int] = (), tree_rows: int = 0):
+                      eos_token_ids: Sequence[int] = (), tree_rows: int = 0, window: int | None = CONTEXT_WINDOW):
     """An Engine on `target` whose DFlash drafter (`draft`, proposing from `vocabulary`'s ids where
     given) drafts a full block at every step, with no adaptive policy: what τ is measured with.
     Its drafter (`engine.dflash_drafter`) holds the target's captured rows of what it decoded.
     `tree_rows` > 0: each step verifies a tree of that many rows (speculative.DraftTree, as served)
-    instead of the chain of the drafter's first choices (0: what training measures)."""
+    instead of the chain of the drafter's first choices (0: what training measures). `window`: the
+    drafter's context window (drafters/dflash.py CONTEXT_WINDOW, as served; None: the whole context)."""
     from dflash.engine.drafters.dflash import DFlashDrafter
     from dflash.engine.generate import Engine
     from dflash.engine.speculative import SpeculationConfig
@@ -116,12 +118,13 @@ def full_block_engine(target, draft, max_ctx: int = 2048, vocabulary: Sequence[i
     config = SpeculationConfig(drafter="dflash", max_draft_tokens=draft.config.block_size - 1, adaptive=False,
                                tree_rows=tree_rows)
     return Engine(target, max_ctx=max_ctx, speculation=config, eos_token_ids=eos_token_ids,
-                  dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary))
+                  dflash_drafter=DFlashDrafter(draft, target, max_ctx, vocabulary, window=window))
 
 
 def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: int = 2048,
                          vocabulary: Sequence[int] | None = None,
-                         eos_token_ids: Sequence[int] = (), tree_rows: int = 0) -> dict[str, list[tuple[int, int]]]:
+                         eos_token_ids: Sequence[int] = (), tree_rows: int = 0, window: int | None = CONTEXT_WINDOW,
+                         conversations: dict[str, list[list[dict]]] | None = None) -> dict[str, list[tuple[int, int]]]:
     """Per prompt type, every verification step's (drafts proposed, drafts accepted), decoding each
     prompt greedily with `draft` proposing a full block every step (from `vocabulary`'s ids only,
     where given: a draft vocabulary); the draft is not changed.
@@ -129,18 +132,20 @@ def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: in
     A reply ends at `tokens` or at one of `eos_token_ids` (the model's end-of-turn tokens), as a
     server's does. Why: decoded past the end, the model writes a new turn of its own (a system
     header, a made-up user ask) that no client sees, and the drafter's misses there counted against
-    it (a code edit that ended after 50 tokens spent 12 of its 45 verifications past its end)."""
+    it (a code edit that ended after 50 tokens spent 12 of its 45 verifications past its end).
+    `conversations`: other conversations per prompt type than UNSEEN_PROMPTS (bench/unseen_acceptance.py
+    puts a long system prompt before them)."""
     from dflash.engine.sampling import SamplingParams
 
     was_training = draft.training
     draft.eval()
-    engine = full_block_engine(target, draft, max_ctx, vocabulary, eos_token_ids, tree_rows)
+    engine = full_block_engine(target, draft, max_ctx, vocabulary, eos_token_ids, tree_rows, window)
     result: dict[str, list[tuple[int, int]]] = {}
     try:
         with torch.no_grad():
-            for kind, conversations in UNSEEN_PROMPTS.items():
+            for kind, kind_conversations in (conversations or UNSEEN_PROMPTS).items():
                 steps = result[kind] = []
-                for messages in conversations:
+                for messages in kind_conversations:
                     engine.rollback(0)
                     generation = engine.start(render_prompt(tokenizer, messages), SamplingParams(), tokens)
                     stats = generation.stats
