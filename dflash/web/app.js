@@ -197,17 +197,11 @@ async function* sseData(response) {
   }
 }
 
-// One streamed delta into the reply and its view: text, reasoning and tool calls apart.
+// One streamed delta into the reply: text and reasoning go to the view at the next frame
+// (showReply), tool calls at once.
 function applyDelta(delta, reply, view) {
-  if (delta.content) {
-    reply.content += delta.content;
-    view.text.textContent = reply.content;
-  }
-  if (delta.reasoning_content) {
-    reply.reasoning += delta.reasoning_content;
-    view.reasoning.hidden = false;
-    view.reasoning.textContent = reply.reasoning;
-  }
+  reply.content += delta.content || "";
+  reply.reasoning += delta.reasoning_content || "";
   for (const call of delta.tool_calls || []) {
     const known = reply.calls[call.index] || (reply.calls[call.index] = { name: "", arguments: "", node: element("pre", null, "tool-call") });
     const part = call.function || call.custom || {};
@@ -216,6 +210,19 @@ function applyDelta(delta, reply, view) {
     known.node.textContent = `${known.name}(${known.arguments})`;
     if (!known.node.isConnected) view.calls.append(known.node);
   }
+}
+
+// The reply's text and reasoning into its view, scrolled to the end. Once a frame at most: writing
+// the whole text and reading the scroll height for every delta made the page lay out its growing
+// text a few hundred times a second where speculation streams fast (a count at ~200 tok/s), and a
+// busy CI machine's browser fell seconds behind the stream, so Stop was handled after the end.
+function showReply(reply, view) {
+  if (view.text.textContent !== reply.content) view.text.textContent = reply.content;
+  if (reply.reasoning && view.reasoning.textContent !== reply.reasoning) {
+    view.reasoning.hidden = false;
+    view.reasoning.textContent = reply.reasoning;
+  }
+  scrollToEnd();
 }
 
 // The tools field's JSON array, or undefined when it is empty.
@@ -254,6 +261,7 @@ async function send(text) {
   let firstTokenMs = null;
   let finish = null;
   let usage = null;
+  let frame = 0; // a showReply waiting for the next frame
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -283,7 +291,10 @@ async function send(text) {
         finish = choice.finish_reason || finish;
       }
       usage = chunk.usage || usage;
-      scrollToEnd();
+      frame ||= requestAnimationFrame(() => {
+        frame = 0;
+        showReply(reply, view);
+      });
     }
     const generated = usage ? `, ${usage.completion_tokens} tokens` : "";
     const ttft = firstTokenMs !== null ? `, first token after ${Math.round(firstTokenMs)} ms` : "";
@@ -292,6 +303,8 @@ async function send(text) {
     if (error.name === "AbortError") setChatStatus("stopped");
     else setChatStatus(`error: ${error.message}`, true);
   } finally {
+    cancelAnimationFrame(frame);
+    showReply(reply, view);
     setStreaming(null);
     view.root.dataset.done = "true";
     if (reply.content) conversation.push({ role: "assistant", content: reply.content });
