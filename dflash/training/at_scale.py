@@ -542,7 +542,7 @@ def run(args: argparse.Namespace) -> dict:
     draft = draft.to(device).train()
     # The frozen LM head of the loss (objective.HeadCrossEntropy) in fp32 where bf16 is emulated:
     # its gradient GEMM, probabilities [rows, 49,152] @ head, took 7.4 s for 128 rows with the
-    # bf16 head against 0.05 s in fp32 (AVX2 Zen 2, 2 threads), 15 s of a 4-sequence test step.
+    # bf16 head against 0.05 s in fp32 (AVX2 Zen 3, 2 threads), 15 s of a 4-sequence test step.
     head = target.lm_head.weight if half_autocast(device) else target.lm_head.weight.float()
     stage_start = time.perf_counter()
     stage_seconds = max(began + args.seconds - args.save_seconds - stage_start, 1.0)

@@ -457,7 +457,8 @@ class DFlashDrafter:
         return self.head(out[1:].to(self.target.dtype))
 
     def pending_rows(self) -> int:
-        """Committed rows not yet in the drafter's own cache: its next proposal runs them too."""
+        """Context rows the drafter's next proposal runs before its block: the committed rows not yet
+        in its own cache, or its window's where it starts that cache afresh (_starts_afresh)."""
         return self.window if self._starts_afresh() else self.length - self.offset - self.kv.length
 
     def _starts_afresh(self) -> bool:
