@@ -51,16 +51,19 @@ def main() -> None:
                              "every conversation")
     parser.add_argument("--windows", default=str(CONTEXT_WINDOW),
                         help="the drafter's context windows to measure, comma-separated (none: the whole context)")
+    parser.add_argument("--max-ctx", type=int, default=0,
+                        help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
+                             "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
     parser.add_argument("--slots", action="store_true",
                         help="also each block slot's hit rate per prompt type (among blocks right up to it)")
     args = parser.parse_args()
-    max_ctx = 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
+    max_ctx = args.max_ctx or 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
     loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads)
     windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
     conversations = {kind: [with_system(messages, args.system_tokens) for messages in kind_conversations]
                      for kind, kind_conversations in UNSEEN_PROMPTS.items()} if args.system_tokens else None
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens} "
-          f"system_tokens={args.system_tokens}")
+          f"system_tokens={args.system_tokens} max_ctx={max_ctx} rope_scaling={loaded.engine.model.args.rope_scaling}")
     print("| drafter | window | drafts | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
     print("|---" * (len(UNSEEN_PROMPTS) + 4) + "|")
     slots = []

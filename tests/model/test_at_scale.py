@@ -10,7 +10,7 @@ import torch
 
 from dflash.engine.drafters.dflash import DFlashConfig, load_dflash_checkpoint, random_draft_model
 from dflash.engine.kv import KVCache
-from dflash.engine.model import rope_tables
+from dflash.engine.model import ModelArgs, rope_tables
 from dflash.training.objective import batched_training_forward, training_forward
 
 
@@ -136,6 +136,38 @@ def test_the_gguf_reader_gives_transformers_numbers_bit_for_bit(embedded_gguf):
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
         assert config[key] == reference[key], key
+
+
+def test_reply_batches_take_the_rope_factors_in_turn():
+    """Batch n answers at YaRN factor rope_factors[n % len]: its rows and tokens are those of the
+    target loaded for the max_ctx that needs that factor (the default set-up's 32768: 4 x 8192),
+    and factor 1 is the unscaled target."""
+    from dflash.engine.model import build_transformer, with_rope_scaling
+    from dflash.training.at_scale import ReplyStore, generate_replies, reply_batches
+    from dflash.training.batched_replies import batched_greedy
+    from tests.model.tiny import tiny_hf_model
+
+    hf = tiny_hf_model("llama")
+    args = ModelArgs.from_hf_config(hf.config.to_dict())
+    target = build_transformer(args, hf.state_dict(), torch.float32)
+    served = {1.0: target, 4.0: build_transformer(with_rope_scaling(args, 4 * args.max_position_embeddings),
+                                                  hf.state_dict(), torch.float32)}
+    assert served[4.0].args.rope_scaling["factor"] == 4.0
+    prompts = [[5 + i, 9, 17, 3 + i, 40][: 3 + i % 3] * 4 for i in range(4)]
+    store = ReplyStore(1000, 2 * args.hidden_size, "cpu")
+    made = generate_replies(target, store, prompts, [0] * 4, (0, 2), set(), 6, 1, float("inf"), lambda _: None,
+                            rope_factors=(4.0, 1.0))
+    assert made == 4
+    differ = False
+    for number, (index,) in enumerate(reply_batches(prompts, 1)):
+        factor = (4.0, 1.0)[number % 2]
+        (output, rows), = batched_greedy(served[factor], [prompts[index]], 6, set(), (0, 2))
+        (other, other_rows), = batched_greedy(served[5.0 - factor], [prompts[index]], 6, set(), (0, 2))
+        at, length = store.starts[number], store.lengths[number]
+        assert store.tokens[at : at + length].tolist() == prompts[index] + output[:-1]
+        torch.testing.assert_close(store.rows[at : at + length], rows.to(torch.bfloat16), atol=0, rtol=0)
+        differ = differ or not torch.equal(rows, other_rows)
+    assert differ  # the scaling changes the rows: the test can tell the factors apart
 
 
 def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedded_gguf, tmp_path):
