@@ -119,13 +119,16 @@ def main() -> None:
                         help="put the captured Claude Code system prompt, cut to about this many tokens, before every "
                              "conversation (as bench/agent_loop.py does): drafts verified deep in a context, as an "
                              "agent's are")
+    parser.add_argument("--max-ctx", type=int, default=0,
+                        help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
+                             "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
     parser.add_argument("--prompts", default="code editing,chat,coding",
                         help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
                              "tool prompt, from dflash/training/unseen.py)")
     args = parser.parse_args()
     # Loaded as a server would be: where it would not speculate (speculation_off: a verified row
     # could differ from a decoded one on this CPU with these weights) there is nothing to measure.
-    max_ctx = 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
+    max_ctx = args.max_ctx or 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
     loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads, kv_cache=args.kv_cache,
                         speculation=SpeculationConfig(drafter="ngram"))
     if loaded.engine.speculation.drafter == "none":
@@ -167,7 +170,7 @@ def main() -> None:
             raise SystemExit(f"--modes: unknown {unknown}; the modes are {list(modes)}")
         modes = {mode: modes[mode] for mode in wanted}
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
-          f"system_tokens={args.system_tokens} "
+          f"system_tokens={args.system_tokens} max_ctx={max_ctx} rope_scaling={engine.model.args.rope_scaling} "
           f"draft={'random weights' if not args.draft else args.draft} tree_rows={rows}")
     print("| prompts | mode | decode tok/s | τ | vs plain | per round: middle half | identical |")
     print("|---|---|---|---|---|---|---|")

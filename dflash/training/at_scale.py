@@ -50,6 +50,7 @@ from dflash.training.objective import (
     slot_weights,
     warmup_cosine,
 )
+from dflash.training.batched_replies import fp32_copy
 from dflash.training.draft_vocab import FILE_NAME as VOCAB_FILE
 from dflash.training.train_drafter import draft_config
 
@@ -567,7 +568,7 @@ def run(args: argparse.Namespace) -> dict:
     # The frozen LM head of the loss (objective.HeadCrossEntropy) in fp32 where bf16 is emulated:
     # its gradient GEMM, probabilities [rows, 49,152] @ head, took 7.4 s for 128 rows with the
     # bf16 head against 0.05 s in fp32 (AVX2 Zen 3, 2 threads), 15 s of a 4-sequence test step.
-    head = target.lm_head.weight if half_autocast(device) else target.lm_head.weight.float()
+    head = target.lm_head.weight if half_autocast(device) else fp32_copy(target.lm_head)[0]
     stage_start = time.perf_counter()
     stage_seconds = max(began + args.seconds - args.save_seconds - stage_start, 1.0)
     progress = (resumed["progress"] if resumed is not None else
