@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.engine.drafters.dflash import load_dflash_checkpoint, random_draft_model, save_dflash_checkpoint
+from dflash.training.batched_replies import fp32_copy
 from dflash.training.objective import (
     batched_training_forward,
     decoded_acceptance,
@@ -50,7 +51,6 @@ from dflash.training.objective import (
     slot_weights,
     warmup_cosine,
 )
-from dflash.training.batched_replies import fp32_copy
 from dflash.training.draft_vocab import FILE_NAME as VOCAB_FILE
 from dflash.training.train_drafter import draft_config
 
@@ -233,13 +233,12 @@ def load_replies(store: ReplyStore, data: Path, count: int, log) -> int:
 
 
 def rope_for_factor(args, factor: float) -> tuple[Tensor, float]:
-    """The target's RoPE (inverse frequencies, attention scale) at a YaRN `factor`; 1: unscaled."""
-    import attrs
-
+    """The target's RoPE (inverse frequencies, attention scale) at a YaRN `factor`; 1: as its config
+    declares (unscaled for the embedded model)."""
     from dflash.engine.model import rope_inverse_frequencies, with_rope_scaling
 
     if factor <= 1.0:
-        return rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
+        return rope_inverse_frequencies(args)
     scaled = with_rope_scaling(args, round(factor * args.max_position_embeddings), "yarn", factor)
     return rope_inverse_frequencies(scaled)
 
