@@ -13,7 +13,7 @@ L is computed once and shared by that length's three questions (the engine keeps
 needles of the other lengths that lie before L are in that context as distractors. A 4096-token
 length inside the trained context is the control: it shows whether the model retrieves at all.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/long_context.py [--scalings yarn,none] [--weights int4 --kv-cache int8]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/long_context.py [--scalings yarn,yarn:1,none] [--weights int4 --kv-cache int8]
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def question_ids(tokenizer, key: str) -> list[int]:
 
 
 def run_scaling(args, scaling: str, haystack: list[int], needle_positions: set[int], needles: list[dict]):
+    mode, _, attention_factor = scaling.partition(":")  # "yarn:1": [model] rope_attention_factor = 1
     loaded = load_model(args.model, dtype=args.dtype, weights=args.weights, kv_cache=args.kv_cache, max_ctx=args.max_ctx,
-                        rope_scaling=scaling, prefill_chunk=CHUNK_TOKENS, threads=args.threads)
+                        rope_scaling=mode, rope_attention_factor=float(attention_factor or 0), prefill_chunk=CHUNK_TOKENS,
+                        threads=args.threads)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     longest_question = max(len(question_ids(tokenizer, n["key"])) for n in needles)
     # Where the haystack is cut for each length's questions: question and answer fit inside it.
@@ -132,7 +134,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-ctx", type=int, default=32768)
     parser.add_argument("--lengths", default="4096,16384,24576,32768", help="needle context lengths")
-    parser.add_argument("--scalings", default="yarn,none")
+    parser.add_argument("--scalings", default="yarn,none",
+                        help="[model] rope_scaling values, comma-separated; yarn:F also sets rope_attention_factor F "
+                             "(yarn:1 is YaRN's frequencies without its attention temperature)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -154,7 +158,8 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for scaling, (perplexity, _, prefill_s, rope, kv_dtype) in results.items():
         cells = " | ".join(f"{p:.2f}" for p in perplexity)
-        label = f"{scaling} (factor {rope['factor']:g})" if rope else scaling
+        temperature = f", attention factor {rope['attention_factor']:g}" if rope and "attention_factor" in rope else ""
+        label = f"{scaling} (factor {rope['factor']:g}{temperature})" if rope else scaling
         print(f"| {kind} | {label} | {kv_dtype} | {cells} | {prefill_s:.0f} s |")
 
     print("\n| cpu | rope_scaling | context | found | expected → answered |")

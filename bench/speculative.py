@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--max-ctx", type=int, default=0,
                         help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
                              "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
+    parser.add_argument("--rope-attention-factor", type=float, default=0.0,
+                        help="[model] rope_attention_factor: YaRN's attention factor where --max-ctx makes the target "
+                             "scaled (0: YaRN's own, 0.1 ln(factor) + 1; 1: YaRN's frequencies without its temperature)")
     parser.add_argument("--prompts", default="code editing,chat,coding",
                         help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
                              "tool prompt, from dflash/training/unseen.py)")
@@ -130,7 +133,7 @@ def main() -> None:
     # could differ from a decoded one on this CPU with these weights) there is nothing to measure.
     max_ctx = args.max_ctx or 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
     loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads, kv_cache=args.kv_cache,
-                        speculation=SpeculationConfig(drafter="ngram"))
+                        rope_attention_factor=args.rope_attention_factor, speculation=SpeculationConfig(drafter="ngram"))
     if loaded.engine.speculation.drafter == "none":
         raise SystemExit(f"a server with weights {loaded.weights!r} on this CPU ({cpu_kind()}) does not speculate "
                          "(see the speculation_off log line); try --weights int4 or int8")

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import attrs
-
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from speculative import with_system  # noqa: E402  (bench/ is on the path: this script's folder)
@@ -30,7 +28,6 @@ from speculative import with_system  # noqa: E402  (bench/ is on the path: this 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.drafters.dflash import CONTEXT_WINDOW  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, draft_vocabulary, load_model, serving_draft  # noqa: E402
-from dflash.engine.model import rope_inverse_frequencies  # noqa: E402
 from dflash.training.unseen import (  # noqa: E402
     UNSEEN_PROMPTS,
     acceptance_length,
@@ -57,20 +54,15 @@ def main() -> None:
     parser.add_argument("--max-ctx", type=int, default=0,
                         help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
                              "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
-    parser.add_argument("--yarn-attention-factor", type=float, default=0.0,
-                        help="YaRN's attention factor where --max-ctx makes the target scaled (0: YaRN's own, "
-                             "0.1 ln(factor) + 1); 1 keeps YaRN's frequencies without its attention temperature")
+    parser.add_argument("--rope-attention-factor", type=float, default=0.0,
+                        help="[model] rope_attention_factor: YaRN's attention factor where --max-ctx makes the target "
+                             "scaled (0: YaRN's own, 0.1 ln(factor) + 1; 1: YaRN's frequencies without its temperature)")
     parser.add_argument("--slots", action="store_true",
                         help="also each block slot's hit rate per prompt type (among blocks right up to it)")
     args = parser.parse_args()
     max_ctx = args.max_ctx or 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
-    loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads)
-    target = loaded.engine.model
-    if args.yarn_attention_factor and (target.args.rope_scaling or {}).get("rope_type") == "yarn":
-        target.args = attrs.evolve(target.args, rope_scaling={**target.args.rope_scaling,
-                                                              "attention_factor": args.yarn_attention_factor})
-        target.inv_freq, target.rope_attention_scale = rope_inverse_frequencies(target.args)
-        target._rope_cache = None  # the tables are made again, with this scale, on first use
+    loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads,
+                        rope_attention_factor=args.rope_attention_factor)
     windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
     conversations = {kind: [with_system(messages, args.system_tokens) for messages in kind_conversations]
                      for kind, kind_conversations in UNSEEN_PROMPTS.items()} if args.system_tokens else None

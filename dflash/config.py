@@ -67,6 +67,11 @@ def _zero_or_at_least_one(instance, attribute, value):
         raise _Invalid(value, "0 (derived) or a number >= 1", key=attribute.name)
 
 
+def _zero_or_positive(instance, attribute, value):
+    if value < 0:
+        raise _Invalid(value, "0 (derived) or a positive number", key=attribute.name)
+
+
 def _seconds(low: float = 0.0):
     return _number_range("a number of seconds", low, low_inclusive=False)
 
@@ -105,6 +110,8 @@ class ModelConfig:
     rope_scaling: str = attrs.field(default="auto", validator=_one_of("auto", "none", "yarn", "linear"))
     # 0 = max_ctx / the trained context.
     rope_scaling_factor: float = attrs.field(default=0.0, validator=_zero_or_at_least_one)
+    # YaRN's attention temperature: 0 = its own, 0.1 ln(factor) + 1 (see README, Context length).
+    rope_attention_factor: float = attrs.field(default=0.0, validator=_zero_or_positive)
     threads: int = attrs.field(default=2, validator=_ints(1))
     prefill_chunk: int = attrs.field(default=256, validator=_ints(1))
     cache_dir: str = "~/.cache/dflash"

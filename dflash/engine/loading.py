@@ -108,6 +108,7 @@ def load_model(
     max_ctx: int = 32768,
     rope_scaling: str = "auto",
     rope_scaling_factor: float = 0.0,
+    rope_attention_factor: float = 0.0,
     threads: int = 1,
     prefill_chunk: int = 256,
     cache_dir: str | os.PathLike | None = None,
@@ -152,7 +153,10 @@ def load_model(
         args = ModelArgs.from_hf_config(config)
         if max_ctx <= 0:
             max_ctx = args.max_position_embeddings
-        args = with_rope_scaling(args, max_ctx, rope_scaling, rope_scaling_factor)
+        try:
+            args = with_rope_scaling(args, max_ctx, rope_scaling, rope_scaling_factor, rope_attention_factor)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from error
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
         quantize_linears(model, weights)
         if kv_cache == "auto":
@@ -187,6 +191,9 @@ def load_model(
             max_ctx = model.args.max_position_embeddings
         if rope_scaling not in ("auto", "none"):
             raise ModelLoadError(f"rope_scaling {rope_scaling!r} needs the built-in decoder; this model runs on transformers")
+        if rope_attention_factor:
+            raise ModelLoadError(f"rope_attention_factor {rope_attention_factor!r} needs the built-in decoder; "
+                                 "this model runs on transformers")
         if max_ctx > model.args.max_position_embeddings:
             log.warning("context_past_trained_length", max_ctx=max_ctx, trained_context=model.args.max_position_embeddings,
                         note="the transformers backend applies only the RoPE scaling the model's config declares")

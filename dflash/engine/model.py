@@ -97,16 +97,23 @@ class UnsupportedArchitecture(ValueError):
 ROPE_SCALING_MODES = ("auto", "none", "yarn", "linear")
 
 
-def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor: float = 0.0) -> ModelArgs:
+def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor: float = 0.0,
+                      attention_factor: float = 0.0) -> ModelArgs:
     """`args` with the RoPE scaling that serves `max_ctx` positions.
 
     "auto" keeps a scaling the model's config declares (it was trained or tuned with it) and
     otherwise takes YaRN once `max_ctx` exceeds the trained context (see README, Numbers: perplexity
     past the trained context); "none" is plain RoPE, extrapolated past the trained context; "yarn"
     and "linear" replace whatever the config declares. `factor` 0 means max_ctx / trained context.
+    `attention_factor` > 0 replaces YaRN's attention temperature (0: its own, 0.1 ln(factor) + 1);
+    it applies only to a YaRN this function chooses.
     """
     if mode not in ROPE_SCALING_MODES:
         raise ValueError(f"unknown rope_scaling {mode!r}; expected one of {', '.join(ROPE_SCALING_MODES)}")
+    if attention_factor < 0:
+        raise ValueError(f"rope attention_factor must be 0 (YaRN's own) or positive, got {attention_factor!r}")
+    if attention_factor and mode in ("none", "linear"):
+        raise ValueError(f"a rope attention_factor ({attention_factor!r}) applies to YaRN only, not to rope_scaling {mode!r}")
     declared = args.rope_scaling or {}
     if mode == "auto":
         if declared or max_ctx <= args.max_position_embeddings:
@@ -119,6 +126,8 @@ def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor:
     scaling: dict[str, Any] = {"rope_type": mode, "factor": float(factor)}
     if mode == "yarn":
         scaling["original_max_position_embeddings"] = trained
+        if attention_factor:
+            scaling["attention_factor"] = float(attention_factor)
     return attrs.evolve(args, rope_scaling=scaling)
 
 

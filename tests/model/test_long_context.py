@@ -1,6 +1,8 @@
 """A context longer than the trained one: RoPE scaling equal to transformers', and the KV dtype
 (fp32 on CPU for a bf16 model) followed, with speculation still lossless."""
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -28,13 +30,14 @@ def hf_with_rope(hf_model, rope_parameters):
     return scaled
 
 
-@pytest.mark.parametrize("mode, rope_parameters", [
-    ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}),
-    ("linear", {"rope_type": "linear", "factor": 4.0}),
+@pytest.mark.parametrize("mode, attention_factor, rope_parameters", [
+    ("yarn", 0.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}),
+    ("yarn", 1.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED, "attention_factor": 1.0}),
+    ("linear", 0.0, {"rope_type": "linear", "factor": 4.0}),
 ])
-def test_scaled_rope_matches_transformers_past_the_trained_context(mode, rope_parameters):
+def test_scaled_rope_matches_transformers_past_the_trained_context(mode, attention_factor, rope_parameters):
     hf = tiny_hf_model("llama")
-    args = with_rope_scaling(ModelArgs.from_hf_config(hf.config.to_dict()), MAX_CTX, mode)
+    args = with_rope_scaling(ModelArgs.from_hf_config(hf.config.to_dict()), MAX_CTX, mode, attention_factor=attention_factor)
     assert args.rope_scaling == rope_parameters
     ours = build_transformer(args, hf.state_dict(), torch.float32)
     ids = torch.randint(0, 128, (3 * TRAINED,), generator=torch.Generator().manual_seed(1))
@@ -57,6 +60,19 @@ def test_auto_scaling_is_yarn_past_the_trained_context_and_keeps_a_declared_scal
     assert with_rope_scaling(declared, MAX_CTX, "none").rope_scaling is None
     with pytest.raises(ValueError, match="unknown rope_scaling 'ntk'"):
         with_rope_scaling(plain, MAX_CTX, "ntk")
+
+
+def test_the_attention_factor_replaces_yarns_temperature_and_only_yarns():
+    plain = ModelArgs.from_hf_config(tiny_hf_model("llama").config.to_dict())
+    own = build_transformer(with_rope_scaling(plain, MAX_CTX, "auto"), tiny_hf_model("llama").state_dict(), torch.float32)
+    assert own.rope_attention_scale == pytest.approx(0.1 * math.log(4) + 1)
+    cooled = with_rope_scaling(plain, MAX_CTX, "auto", attention_factor=1.0)
+    assert build_transformer(cooled, tiny_hf_model("llama").state_dict(), torch.float32).rope_attention_scale == 1.0
+    assert with_rope_scaling(plain, TRAINED, "auto", attention_factor=1.0) == plain  # no YaRN served: nothing to replace
+    with pytest.raises(ValueError, match="applies to YaRN only, not to rope_scaling 'linear'"):
+        with_rope_scaling(plain, MAX_CTX, "linear", attention_factor=1.0)
+    with pytest.raises(ValueError, match="0 .YaRN's own. or positive, got -1"):
+        with_rope_scaling(plain, MAX_CTX, "yarn", attention_factor=-1)
 
 
 @pytest.mark.parametrize("flags, kind", [
