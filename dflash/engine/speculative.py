@@ -206,6 +206,8 @@ class _DrafterState:
         # being measured is that look's.
         self.peek = False
         self.looked = False
+        # A tree proposer's drafts in its next block (SpeculationPolicy._next_depth); None: its whole block.
+        self.depth: int | None = None
 
     def acceptance(self) -> float | None:
         return self.matched / self.tried if self.tried >= 4 else None
@@ -274,6 +276,7 @@ class SpeculationPolicy:
     MAX_PAUSE_STEPS = 512
     FULL_PAUSE_PROBE_COST = 0.5  # plain steps: a probe this costly or more waits the whole pause
     FIRST_BLOCK = 2
+    MIN_TREE_DEPTH = 2  # the shortest block a tree proposer drafts (_next_depth)
     # Plain steps a generation measures before it speculates, the fastest taken: the first decode
     # step after a prefill runs on cold caches (int4, AMX VM: 9 ms against 6.5 the steps after;
     # bf16 59 against 48), and as the only plain step measured it made speculation look better
@@ -361,7 +364,7 @@ class SpeculationPolicy:
             state = self.state[name]
             asked = time.perf_counter()
             tree = self._proposes_trees(drafter)
-            draft = drafter.propose_tree(tokens, self.longest[name]) if tree else drafter.propose(tokens, state.block)
+            draft = drafter.propose_tree(tokens, self.longest[name], state.depth) if tree else drafter.propose(tokens, state.block)
             # A drafter's context catching up (DFlashDrafter.catch_up_seconds) is no cost of this
             # step's: left out of every measurement of it, plain or speculative.
             catch_up = getattr(drafter, "catch_up_seconds", 0.0)
@@ -369,6 +372,7 @@ class SpeculationPolicy:
             if tree and draft:
                 peek, state.peek = state.peek, False  # looked: a tree was proposed
                 rows = self._tree_rows(state, draft)
+                state.depth = self._next_depth(draft, rows)
                 if rows == 0:  # verifying no part of it would pay: a plain step instead
                     self._decline(name, time.perf_counter() - asked - catch_up, pause=not peek)
                     continue
@@ -424,6 +428,21 @@ class SpeculationPolicy:
             if rate > best_rate:
                 best, best_rate = k, rate
         return best if pays else 0
+
+    def _next_depth(self, tree: DraftTree, rows: int) -> int | None:
+        """The drafts of the next proposal's block (None: the drafter's whole block): one past the
+        depth this tree was verified to, MIN_TREE_DEPTH at least; the whole block again where the
+        verified rows reached the deepest proposed one (the drafter was sure to the block's end).
+        Why: a proposal's cost grows with its block (the drafter's layers over every slot, the LM
+        head over every draft), while an unsure drafter's trees stop after one or two drafts: on
+        chat the whole block's forward cost ~0.5 plain steps for trees verified one draft deep
+        (int4, AVX2), a block of 3 about half that."""
+        if not self.config.adaptive:
+            return None
+        if rows == 0:
+            return self.MIN_TREE_DEPTH
+        verified = tree.first(rows).depth
+        return None if verified >= tree.depth else max(self.MIN_TREE_DEPTH, verified + 1)
 
     def _decline(self, name: str, seconds: float, pause: bool = True) -> None:
         """A proposal whose verification would not pay (_tree_rows): the step is plain, and for the

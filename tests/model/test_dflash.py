@@ -239,7 +239,7 @@ def test_a_draft_vocabulary_limits_the_drafts_and_greedy_stays_plain_greedy(targ
     proposed = []
     propose, propose_tree = drafter.propose, drafter.propose_tree
     drafter.propose = lambda tokens, n: proposed.extend(out := propose(tokens, n)) or out
-    drafter.propose_tree = lambda tokens, n: proposed.extend((out := propose_tree(tokens, n)).tokens) or out
+    drafter.propose_tree = lambda tokens, n, depth=None: proposed.extend((out := propose_tree(tokens, n, depth)).tokens) or out
     for rows in (7, 0):  # a tree's every candidate, and a chain
         engine.speculation = attrs.evolve(config, tree_rows=rows)
         generation = engine.start(prompt, SamplingParams(), 24)

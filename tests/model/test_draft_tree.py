@@ -48,7 +48,7 @@ def oracle_trees(engine, expected: list[int], prompt: list[int] = PROMPT):
     of `expected` (a sibling wrong again under it): every step keeps a path off chain 0."""
     drafter = engine.dflash_drafter
 
-    def propose_tree(tokens, rows):
+    def propose_tree(tokens, rows, depth=None):
         if drafter.length != len(tokens) - 1:
             return DraftTree((), ())
         p = len(tokens) - len(prompt)
@@ -112,7 +112,7 @@ def test_the_drafters_own_trees_decode_plain_greedy_and_seeded_sampling(weights)
         plain = plain_engine.start(PROMPT, sampling, 32).run()
         trees = []
         propose_tree = tree_engine.dflash_drafter.propose_tree
-        tree_engine.dflash_drafter.propose_tree = lambda tokens, rows: trees.append(out := propose_tree(tokens, rows)) or out
+        tree_engine.dflash_drafter.propose_tree = lambda tokens, rows, depth=None: trees.append(out := propose_tree(tokens, rows, depth)) or out
         generation = tree_engine.start(PROMPT, sampling, 32)
         assert generation.run() == plain
         assert trees and any(tree.chains() > 1 for tree in trees)  # branched trees were verified
@@ -152,3 +152,30 @@ def test_a_chain_costs_the_share_of_a_step_of_the_keys_it_reads_again(one_call, 
         engine.kv.length = length
         assert engine.chain_cost() == pytest.approx(own + read * per_token / (weights + length * per_token))
     engine.kv.length = 0
+
+
+def test_short_blocks_propose_trees_within_their_depth_and_decode_plain_greedy():
+    """The adaptive policy asks an unsure drafter for short blocks (SpeculationPolicy._next_depth):
+    their trees stay within the drafts asked for, and the tokens are still plain greedy's."""
+    model = target_model("int4", "auto")
+    plain_engine, tree_engine = engines(model, 48)
+    plain = plain_engine.start(PROMPT, SamplingParams(), 48).run()
+    tree_engine.speculation = attrs.evolve(tree_engine.speculation, adaptive=True)
+    drafter, asked, slots = tree_engine.dflash_drafter, [], []
+    propose_tree, slot_logits = drafter.propose_tree, drafter._slot_logits
+
+    def recording(tokens, rows, depth=None):
+        tree = propose_tree(tokens, rows, depth)
+        asked.append((depth, tree.depth))
+        return tree
+
+    def block_slots(tokens, drafts):
+        logits = slot_logits(tokens, drafts)
+        slots.append(None if logits is None else logits.shape[0])
+        return logits
+
+    drafter.propose_tree, drafter._slot_logits = recording, block_slots
+    assert tree_engine.start(PROMPT, SamplingParams(), 48).run() == plain
+    assert any(depth is not None for depth, _ in asked)  # a random-weight drafter is unsure
+    for (depth, got), drafts in zip(asked, slots):  # the drafter ran a block of `depth` drafts
+        assert drafts == (drafter.block_size - 1 if depth is None else depth) and 0 < got <= drafts

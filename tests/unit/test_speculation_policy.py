@@ -1,6 +1,7 @@
 """The speculation policy: measure plain decoding first, shrink the block on low acceptance,
 pause (with growing pauses) when speculating measures slower than plain decoding."""
 
+import math
 import time
 
 from dflash.engine.speculative import (
@@ -379,7 +380,7 @@ class TreeDrafter:
     11-20 .27, 11-20-30 .162, 10-20-31 .135."""
     name = "dflash"
 
-    def propose_tree(self, tokens, rows):
+    def propose_tree(self, tokens, rows, depth=None):
         from tests.unit.test_draft_tree import IDS, LOGPROBS
         from dflash.engine.speculative import best_first_tree
 
@@ -410,6 +411,47 @@ def test_a_tree_is_as_large_as_its_rows_pay_for():
     assert len(policy.choose([1, 2])[1]) == 7
     policy, _ = tree_policy(row_cost=0.01, chain_cost=1.0)
     assert policy.choose([1, 2])[1].tokens == (10, 20)
+
+
+class DepthTreeDrafter(TreeDrafter):
+    """Proposes the tree of `probabilities` (one list a slot) cut to the drafts asked for, and keeps
+    what it was asked for."""
+
+    def __init__(self, probabilities):
+        self.probabilities, self.asked = probabilities, []
+
+    def propose_tree(self, tokens, rows, depth=None):
+        from dflash.engine.speculative import best_first_tree
+
+        self.asked.append(depth)
+        slots = self.probabilities[: depth or len(self.probabilities)]
+        return best_first_tree([[math.log(p) for p in slot] for slot in slots],
+                               [[100 * i + j for j in range(len(slot))] for i, slot in enumerate(slots)], rows)
+
+
+def test_an_unsure_tree_drafter_drafts_short_blocks_until_it_is_sure_to_their_end():
+    """A proposal's cost grows with its block, and an unsure drafter's trees are verified a draft or
+    two deep: its next block is one draft past the depth verified (MIN_TREE_DEPTH at least), and the
+    whole block again once a tree is verified to its deepest row; a declined tree, the shortest."""
+    unsure, sure = [[0.4, 0.2]] * 7, [[0.97, 0.01]] * 7
+    drafter = DepthTreeDrafter(unsure)
+    config = SpeculationConfig(drafter="dflash", max_draft_tokens=7, tree_rows=7)
+    policy = SpeculationPolicy(config, {"dflash": drafter}, trees=True, chain_cost=lambda: 0.05)
+    baseline(policy, 0.010)
+    state = policy.state["dflash"]
+    state.row_cost.value, state.proposal_cost.value = 0.2, 0.2
+    _, tree = policy.choose([1, 2])
+    assert drafter.asked == [None] and tree.depth == 1  # the whole block proposed, one draft verified
+    assert state.depth == SpeculationPolicy.MIN_TREE_DEPTH
+    policy.choose([1, 2])
+    assert drafter.asked[-1] == SpeculationPolicy.MIN_TREE_DEPTH
+    drafter.probabilities = sure
+    _, tree = policy.choose([1, 2])
+    assert tree.depth == SpeculationPolicy.MIN_TREE_DEPTH and state.depth is None  # sure to the block's end
+    _, tree = policy.choose([1, 2])
+    assert drafter.asked[-1] is None and tree.depth > SpeculationPolicy.MIN_TREE_DEPTH
+    drafter.probabilities = [[0.01, 0.01]] * 7  # no row pays: declined
+    assert policy.choose([1, 2]) == (None, []) and state.depth == SpeculationPolicy.MIN_TREE_DEPTH
 
 
 def test_a_drafter_that_keeps_less_than_its_probabilities_say_gets_smaller_trees():
@@ -447,9 +489,9 @@ def test_a_declined_proposal_is_not_charged_to_the_drafter_that_proposes_after_i
     step's, and its cost is its own, not the declined forward's too."""
 
     class SlowTreeDrafter(TreeDrafter):
-        def propose_tree(self, tokens, rows):
+        def propose_tree(self, tokens, rows, depth=None):
             time.sleep(0.02)
-            return super().propose_tree(tokens, rows)
+            return super().propose_tree(tokens, rows, depth)
 
     config = SpeculationConfig(drafter="auto", max_draft_tokens=7, tree_rows=7)
     ngram = ScriptedDrafter()
@@ -473,9 +515,9 @@ class PendingTreeDrafter(TreeDrafter):
     def pending_rows(self):
         return self.pending
 
-    def propose_tree(self, tokens, rows):
+    def propose_tree(self, tokens, rows, depth=None):
         self.asked += 1
-        return super().propose_tree(tokens, rows)
+        return super().propose_tree(tokens, rows, depth)
 
 
 def carried_pause_policy(kept: float, expected: float, pending: int = 0):
@@ -529,7 +571,7 @@ def test_a_waiting_look_lets_the_carried_pause_count_down():
     assert dflash.asked == 0
     ngram.sure = False
     ngram.propose = lambda tokens, block: []  # nothing to copy now
-    dflash.propose_tree = lambda tokens, rows: TreeDrafter().propose_tree(tokens, 0)  # an empty tree
+    dflash.propose_tree = lambda tokens, rows, depth=None: TreeDrafter().propose_tree(tokens, 0)  # an empty tree
     assert policy.choose([1, 2]) == (None, []) and state.peek and state.pause == 2
 
 

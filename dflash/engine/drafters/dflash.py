@@ -410,10 +410,11 @@ class DFlashDrafter:
     TREE_CANDIDATES = 8
 
     @torch.inference_mode()
-    def propose_tree(self, tokens: Sequence[int], rows: int) -> DraftTree:
-        """The `rows` likeliest draft paths of the whole block (speculative.best_first_tree); empty
-        where `propose` would decline."""
-        logits = self._slot_logits(tokens, self.block_size - 1 if rows > 0 else 0)
+    def propose_tree(self, tokens: Sequence[int], rows: int, depth: int | None = None) -> DraftTree:
+        """The `rows` likeliest draft paths of a block of `depth` drafts (None: the whole block;
+        speculative.best_first_tree); empty where `propose` would decline."""
+        drafts = self.block_size - 1 if depth is None else min(depth, self.block_size - 1)
+        logits = self._slot_logits(tokens, drafts if rows > 0 else 0)
         if logits is None:
             return DraftTree((), ())
         # softmax, then the top candidates: 0.2 ms for 7 x 16,384 where topk and logsumexp over the
