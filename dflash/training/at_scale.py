@@ -42,13 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.engine.drafters.dflash import load_dflash_checkpoint, random_draft_model, save_dflash_checkpoint
+from dflash.engine.drafters.dflash import DraftLoadError, load_dflash_checkpoint, random_draft_model, save_dflash_checkpoint
+from dflash.engine.loading import draft_vocabulary
 from dflash.training.batched_replies import fp32_copy
 from dflash.training.objective import (
     batched_training_forward,
     decoded_acceptance,
     slot_loss,
     slot_weights,
+    vocabulary_head,
+    vocabulary_labels,
     warmup_cosine,
 )
 from dflash.training.draft_vocab import FILE_NAME as VOCAB_FILE
@@ -322,12 +325,13 @@ def training_batch(store: ReplyStore, indices: Sequence[int], anchors: int, bloc
 
 @torch.no_grad()
 def held_out_acceptance(draft, embed, lm_head_weight, store: ReplyStore, indices: Sequence[int], block: int,
-                        mask_token: int, anchors: int = 96) -> dict[str, float]:
+                        mask_token: int, anchors: int = 96, row_of: Tensor | None = None) -> dict[str, float]:
     """τ per kind on held-out replies: tokens per verification of a greedy decode with a full block
     through each reply's first `anchors` positions (objective.decoded_acceptance; the target's
     greedy reply is the label, so a block that is right is what verification accepts), as
     bench/unseen_acceptance.py decodes its prompts' first 96 tokens. Before session 31 this was the
-    mean over 64 random anchors, which overrated τ (decoded_acceptance says by how much)."""
+    mean over 64 random anchors, which overrated τ (decoded_acceptance says by how much). With
+    `row_of` the head is a draft vocabulary's rows (objective.vocabulary_head), as the server's."""
     by_kind: dict[str, list[int]] = {}
     for k in range(0, len(indices), 16):
         chunk = list(indices[k : k + 16])
@@ -335,6 +339,8 @@ def held_out_acceptance(draft, embed, lm_head_weight, store: ReplyStore, indices
         with torch.autocast(rows.device.type, dtype=torch.bfloat16, enabled=half_autocast(rows.device)):
             out = batched_training_forward(draft, embed, rows, tokens, lengths, chosen, block, mask_token)
         logits = F.linear(out.to(lm_head_weight.dtype), lm_head_weight).float()
+        if row_of is not None:
+            labels = vocabulary_labels(labels, row_of, miss=lm_head_weight.shape[0])
         for s, index in enumerate(chunk):
             valid = labels[s, :, 0] >= 0  # the first anchors of the reply, one after another
             if valid.any():
@@ -383,12 +389,13 @@ def save_checkpoint(path: Path, draft, optimizer, progress: dict, generator: tor
 
 def train_stage(draft, embed, head: Tensor, store: ReplyStore, train_indices: Sequence[int], held: Sequence[int],
                 args: argparse.Namespace, mask_token: int, stage_start: float, stage_seconds: float, progress: dict,
-                log, checkpoint: Path | None = None, resumed: dict | None = None) -> None:
+                log, checkpoint: Path | None = None, resumed: dict | None = None, row_of: Tensor | None = None) -> None:
     """Steps of `args.sequences` replies until the sitting's stage time (or `args.steps` steps, or
     `args.train_seconds` of training over all sittings) is spent; the learning rate warms up, then
     follows a cosine over the training time (`args.train_seconds`, or this stage's time). With a
     `checkpoint` path the state is saved there every `args.checkpoint_every` seconds and at the end;
-    `resumed` is a saved state to go on from."""
+    `resumed` is a saved state to go on from. With `row_of` the head is a draft vocabulary's rows
+    (objective.vocabulary_head) and slots whose token lies outside it are not trained."""
     device = store.tokens.device
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.learning_rate, weight_decay=0.0,
                                   fused=device.type == "cuda")
@@ -415,6 +422,8 @@ def train_stage(draft, embed, head: Tensor, store: ReplyStore, train_indices: Se
         picks = torch.randint(len(train_indices), (args.sequences,), generator=generator, device=device).tolist()
         rows, tokens, lengths, anchors, labels = training_batch(store, [train_indices[i] for i in picks], args.anchors,
                                                                 args.block_size, generator)
+        if row_of is not None:
+            labels = vocabulary_labels(labels, row_of)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
             out = batched_training_forward(draft, embed, rows, tokens, lengths, anchors, args.block_size, mask_token)
             loss = slot_loss(out, labels, head, weights)
@@ -431,7 +440,7 @@ def train_stage(draft, embed, head: Tensor, store: ReplyStore, train_indices: Se
         if trained() > next_eval:
             next_eval += args.eval_every
             draft.eval()
-            estimate = held_out_acceptance(draft, embed, head, store, held, args.block_size, mask_token)
+            estimate = held_out_acceptance(draft, embed, head, store, held, args.block_size, mask_token, row_of=row_of)
             draft.train()
             progress["curve"].append({"step": progress["step"], "seconds": round(trained(), 1),
                                       "loss": round(float(loss.detach()), 4), **estimate})
@@ -476,6 +485,17 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--rope-factors {args.rope_factors!r}: each factor is 1 (unscaled) or more (YaRN)")
     mask_token = meta["mask_token_id"]
     eos_ids = set(meta["eos_ids"])
+    loss_ids = None
+    if args.loss_vocabulary:
+        try:
+            loss_ids = draft_vocabulary(args.loss_vocabulary)
+        except DraftLoadError as error:
+            raise SystemExit(f"--loss-vocabulary: {error}") from None
+        if loss_ids is None:
+            raise SystemExit(f"--loss-vocabulary {args.loss_vocabulary}: no {VOCAB_FILE} there")
+        if max(loss_ids) >= a.vocab_size:
+            raise SystemExit(f"--loss-vocabulary {args.loss_vocabulary}: ids up to {max(loss_ids)}, "
+                             f"outside the target's {a.vocab_size}")
 
     dconfig = draft_config(a, args.layers, args.block_size, layer_ids, mask_token)
     data, checkpoint = out / "data", out / "checkpoint.pt"
@@ -507,6 +527,9 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--resume: {checkpoint} holds a drafter of another shape than --layers "
                              f"{args.layers}, --block-size {args.block_size}")
         draft.load_state_dict(resumed["draft"])
+        if resumed["progress"].get("loss_vocabulary") != args.loss_vocabulary:
+            raise SystemExit(f"--resume: {checkpoint} was trained with --loss-vocabulary "
+                             f"{resumed['progress'].get('loss_vocabulary')!r}; this sitting asks for {args.loss_vocabulary!r}")
         log(f"training goes on from {checkpoint}: step {resumed['progress']['step']}, "
             f"{resumed['progress']['trained_seconds']:.0f} s trained")
     elif args.init_from:
@@ -568,24 +591,29 @@ def run(args: argparse.Namespace) -> dict:
     # its gradient GEMM, probabilities [rows, 49,152] @ head, took 7.4 s for 128 rows with the
     # bf16 head against 0.05 s in fp32 (AVX2 Zen 3, 2 threads), 15 s of a 4-sequence test step.
     head = target.lm_head.weight if half_autocast(device) else fp32_copy(target.lm_head)[0]
+    row_of = None
+    if loss_ids is not None:
+        head, row_of = vocabulary_head(head, loss_ids)
     stage_start = time.perf_counter()
     stage_seconds = max(began + args.seconds - args.save_seconds - stage_start, 1.0)
     progress = (resumed["progress"] if resumed is not None else
                 {"step": 0, "trained_seconds": 0.0, "losses": [], "curve": [], "held": held,
-                 "init_from": draft_source, "sittings": []})
+                 "init_from": draft_source, "loss_vocabulary": args.loss_vocabulary, "sittings": []})
     progress["sittings"].append({"replies": len(indices), "reply_tokens": store.reply_tokens(),
                                  "from_step": progress["step"]})
     guarded(log, "training", lambda: train_stage(draft, target.embed, head, store, train_indices, held, args,
                                                   mask_token, stage_start, stage_seconds, progress, log,
-                                                  checkpoint, resumed), None)
+                                                  checkpoint, resumed, row_of), None)
     draft.eval()
-    final = held_out_acceptance(draft, target.embed, head, store, held, args.block_size, mask_token)
+    final = held_out_acceptance(draft, target.embed, head, store, held, args.block_size, mask_token, row_of=row_of)
     step, losses, curve = progress["step"], progress["losses"], progress["curve"]
     curve.append({"step": step, "seconds": progress["trained_seconds"],
                   "loss": losses[-1][1] if losses else None, **final})
     log(f"trained {step} steps: held-out τ {final}")
     save_dflash_checkpoint(draft.to(torch.bfloat16).cpu(), out / "drafter")
-    if draft_source and (Path(draft_source) / VOCAB_FILE).exists():
+    if args.loss_vocabulary:  # the vocabulary it was trained to propose from
+        shutil.copyfile(Path(args.loss_vocabulary) / VOCAB_FILE, out / "drafter" / VOCAB_FILE)
+    elif draft_source and (Path(draft_source) / VOCAB_FILE).exists():
         # A drafter continued keeps the vocabulary it proposes from (counted from text, not trained).
         shutil.copyfile(Path(draft_source) / VOCAB_FILE, out / "drafter" / VOCAB_FILE)
     summary = {
@@ -595,7 +623,8 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": round(time.perf_counter() - began, 1), "training_seconds": round(time.perf_counter() - stage_start, 1),
         "steps": step, "sequences_per_step": args.sequences, "anchors": args.anchors, "layers": args.layers,
         "block_size": args.block_size, "learning_rate": args.learning_rate, "gamma": args.gamma,
-        "init_from": draft_source,
+        "init_from": draft_source, "loss_vocabulary": args.loss_vocabulary,
+        "loss_vocabulary_size": None if loss_ids is None else len(set(loss_ids)),
         "target_layer_ids": list(layer_ids), "mask_token_id": mask_token, "target_dtype": "bfloat16 (from the GGUF)",
         "prompts_rendered": len(prompts), "sampled_user_turns": len(sampled), "replies": len(indices),
         "replies_per_kind": tally, "reply_tokens": store.reply_tokens(), "stored_tokens": store.used,
@@ -640,6 +669,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--sequences", type=int, default=32, help="replies per training step")
     r.add_argument("--anchors", type=int, default=128, help="blocks per reply per step")
     r.add_argument("--init-from", help="a drafter folder to continue training (default: random weights)")
+    r.add_argument("--loss-vocabulary",
+                   help="a folder with a draft_vocab.json: the loss scores the drafter against those rows of the LM "
+                        "head only, as the server proposes from them (slots whose token lies outside are not "
+                        "trained); the head is most of a CPU step. Default: the whole head")
     r.add_argument("--learning-rate", type=float, default=6e-4)
     r.add_argument("--warmup", type=float, default=0.04)
     r.add_argument("--gamma", type=float, default=4.0)

@@ -11,6 +11,7 @@ frozen target LM head against token a_b+k, weighted exp(-(k-1)/gamma).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +147,29 @@ class HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total: Tensor):
         (grad,) = ctx.saved_tensors
         return grad * grad_total.to(grad.dtype), None, None, None, None
+
+
+def vocabulary_head(head: Tensor, ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """The rows of a frozen LM head [V, C] for a draft vocabulary's `ids` (the server scores drafts
+    against these only: DFlashDrafter.head), and the map [V] from a token id to its row there (-1:
+    outside the vocabulary). Why: the loss's head is most of a CPU training step by FLOPs (7K rows
+    x 49,152 x 576, forward and gradient), and the served drafter proposes from 16,384 of them."""
+    index = torch.tensor(sorted(set(int(i) for i in ids)), dtype=torch.long, device=head.device)
+    if len(index) == 0 or index[0] < 0 or index[-1] >= head.shape[0]:
+        raise ValueError(f"vocabulary ids must lie in 0..{head.shape[0] - 1}, the head's rows")
+    row_of = torch.full((head.shape[0],), -1, dtype=torch.long, device=head.device)
+    row_of[index] = torch.arange(len(index), device=head.device)
+    return head[index].contiguous(), row_of
+
+
+def vocabulary_labels(labels: Tensor, row_of: Tensor, miss: int | None = None) -> Tensor:
+    """Labels (token ids, -1 for none) as rows of vocabulary_head's head. A token outside the
+    vocabulary becomes -1, left out of slot_loss (no draft can be it), or `miss` where given: a row
+    no logit stands for (the vocabulary's size), so that an acceptance walk counts it as a miss."""
+    rows = row_of[labels.clamp(min=0)]
+    if miss is not None:
+        rows = rows.masked_fill(rows < 0, miss)
+    return rows.masked_fill(labels < 0, -1)
 
 
 def slot_loss(draft_out: Tensor, labels: Tensor, lm_head_weight: Tensor, weights: Tensor, chunk: int = 1024) -> Tensor:

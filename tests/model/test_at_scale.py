@@ -203,6 +203,16 @@ def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedd
     (shipped / "draft_vocab.json").write_text('{"ids": [1, 2, 3]}')
     main(["run", *small, "--out", str(tmp_path / "vocab"), "--layers", "1", "--init-from", str(shipped)])
     assert (tmp_path / "vocab" / "drafter" / "draft_vocab.json").read_text() == '{"ids": [1, 2, 3]}'
+    # Trained against a draft vocabulary's rows of the head: the drafter proposes from that vocabulary.
+    half = json.dumps({"ids": list(range(0, 49152, 2))})
+    (shipped / "draft_vocab.json").write_text(half)
+    main(["run", *small, "--out", str(tmp_path / "scored"), "--layers", "1", "--init-from", str(out / "drafter"),
+          "--loss-vocabulary", str(shipped)])
+    scored = json.loads((tmp_path / "scored" / "drafter" / "training.json").read_text())
+    assert scored["loss_vocabulary"] == str(shipped) and scored["loss_vocabulary_size"] == 24576
+    assert (tmp_path / "scored" / "drafter" / "draft_vocab.json").read_text() == half
+    with pytest.raises(SystemExit, match="--loss-vocabulary .*no draft_vocab.json there"):
+        main(["run", *small, "--out", str(tmp_path / "none"), "--layers", "1", "--loss-vocabulary", str(tmp_path)])
     with pytest.raises(SystemExit, match="num_layers=1.*num_layers=2"):
         main(["run", *small, "--out", str(tmp_path / "wrong"), "--layers", "2", "--init-from", str(out / "drafter")])
 
@@ -272,6 +282,38 @@ def test_the_head_cross_entropy_is_autograds_loss_and_gradient():
         torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ours, out.grad, atol=1e-6, rtol=1e-4)
         assert ours[~valid].abs().max() == 0
+
+
+def test_a_loss_vocabulary_scores_its_rows_only_and_leaves_outside_tokens_untrained():
+    """slot_loss over a draft vocabulary's rows of the head (the rows the server scores drafts
+    against) is cross-entropy over those rows' logits; a slot whose token lies outside takes no part,
+    and in an acceptance walk it is a miss (a row no logit stands for)."""
+    import torch.nn.functional as F
+
+    from dflash.training.objective import slot_loss, slot_weights, vocabulary_head, vocabulary_labels
+
+    generator = torch.Generator().manual_seed(1)
+    head = torch.randn(300, 16, generator=generator) * 0.3
+    ids = list(range(0, 300, 3)) + [299]
+    rows, row_of = vocabulary_head(head, ids)
+    assert torch.equal(rows, head[sorted(set(ids))]) and row_of[3] == 1 and row_of[4] == -1 and row_of[299] == 100
+    out = torch.randn(2, 5, 7, 16, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 5, 7), generator=generator)
+    labels[:, 0] = -1
+    mapped = vocabulary_labels(labels, row_of)
+    inside = (labels >= 0) & (labels % 3 == 0) | (labels == 299)
+    assert torch.equal(mapped >= 0, inside) and torch.equal(head[torch.tensor(ids)[mapped[inside]]], head[labels[inside]])
+    assert torch.equal(vocabulary_labels(labels, row_of, miss=101)[(labels >= 0) & ~inside],
+                       torch.full_like(labels[(labels >= 0) & ~inside], 101))
+    weights = slot_weights(8, 4.0)
+    loss = slot_loss(out, mapped, rows, weights)
+    loss.backward()
+    per_slot = F.cross_entropy(F.linear(out[inside], rows), mapped[inside], reduction="none")
+    weight = weights.expand_as(labels)[inside]
+    torch.testing.assert_close(loss, (per_slot * weight).sum() / weight.sum(), atol=1e-5, rtol=1e-5)
+    assert out.grad[~inside].abs().max() == 0 and out.grad[inside].abs().max() > 0
+    with pytest.raises(ValueError, match="must lie in 0..299"):
+        vocabulary_head(head, [0, 300])
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "bf16"])
