@@ -105,8 +105,8 @@ def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor:
     otherwise takes YaRN once `max_ctx` exceeds the trained context (see README, Numbers: perplexity
     past the trained context); "none" is plain RoPE, extrapolated past the trained context; "yarn"
     and "linear" replace whatever the config declares. `factor` 0 means max_ctx / trained context.
-    `attention_factor` > 0 replaces YaRN's attention temperature (0: its own, 0.1 ln(factor) + 1);
-    it applies only to a YaRN this function chooses.
+    `attention_factor` > 0 replaces the served YaRN's attention temperature (0: its own, 0.1
+    ln(factor) + 1), a declared one's too; where no YaRN is served it changes nothing.
     """
     if mode not in ROPE_SCALING_MODES:
         raise ValueError(f"unknown rope_scaling {mode!r}; expected one of {', '.join(ROPE_SCALING_MODES)}")
@@ -116,6 +116,8 @@ def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor:
         raise ValueError(f"a rope attention_factor ({attention_factor!r}) applies to YaRN only, not to rope_scaling {mode!r}")
     declared = args.rope_scaling or {}
     if mode == "auto":
+        if declared and attention_factor and (declared.get("rope_type") or declared.get("type")) == "yarn":
+            return attrs.evolve(args, rope_scaling={**declared, "attention_factor": float(attention_factor)})
         if declared or max_ctx <= args.max_position_embeddings:
             return args
         mode = "yarn"

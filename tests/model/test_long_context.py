@@ -3,6 +3,7 @@
 
 import math
 
+import attrs
 import pytest
 import torch
 import transformers
@@ -69,6 +70,9 @@ def test_the_attention_factor_replaces_yarns_temperature_and_only_yarns():
     cooled = with_rope_scaling(plain, MAX_CTX, "auto", attention_factor=1.0)
     assert build_transformer(cooled, tiny_hf_model("llama").state_dict(), torch.float32).rope_attention_scale == 1.0
     assert with_rope_scaling(plain, TRAINED, "auto", attention_factor=1.0) == plain  # no YaRN served: nothing to replace
+    declared = attrs.evolve(plain, rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
+    assert with_rope_scaling(declared, MAX_CTX, "auto", attention_factor=1.0).rope_scaling == {
+        **declared.rope_scaling, "attention_factor": 1.0}  # a declared YaRN's temperature is replaced too
     with pytest.raises(ValueError, match="applies to YaRN only, not to rope_scaling 'linear'"):
         with_rope_scaling(plain, MAX_CTX, "linear", attention_factor=1.0)
     with pytest.raises(ValueError, match="0 .YaRN's own. or positive, got -1"):
