@@ -458,6 +458,14 @@ def run(args: argparse.Namespace) -> dict:
     from dflash.engine.model import ModelArgs, build_transformer
 
     began = time.perf_counter()
+    loss_ids = None
+    if args.loss_vocabulary:  # before anything is loaded or written
+        try:
+            loss_ids = draft_vocabulary(args.loss_vocabulary)
+        except DraftLoadError as error:
+            raise SystemExit(f"--loss-vocabulary: {error}") from None
+        if loss_ids is None:
+            raise SystemExit(f"--loss-vocabulary {args.loss_vocabulary}: no {VOCAB_FILE} there")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "at-scale.log", "a")
@@ -485,17 +493,9 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--rope-factors {args.rope_factors!r}: each factor is 1 (unscaled) or more (YaRN)")
     mask_token = meta["mask_token_id"]
     eos_ids = set(meta["eos_ids"])
-    loss_ids = None
-    if args.loss_vocabulary:
-        try:
-            loss_ids = draft_vocabulary(args.loss_vocabulary)
-        except DraftLoadError as error:
-            raise SystemExit(f"--loss-vocabulary: {error}") from None
-        if loss_ids is None:
-            raise SystemExit(f"--loss-vocabulary {args.loss_vocabulary}: no {VOCAB_FILE} there")
-        if max(loss_ids) >= a.vocab_size:
-            raise SystemExit(f"--loss-vocabulary {args.loss_vocabulary}: ids up to {max(loss_ids)}, "
-                             f"outside the target's {a.vocab_size}")
+    if loss_ids is not None and max(loss_ids) >= a.vocab_size:
+        raise SystemExit(f"--loss-vocabulary {args.loss_vocabulary}: ids up to {max(loss_ids)}, "
+                         f"outside the target's {a.vocab_size}")
 
     dconfig = draft_config(a, args.layers, args.block_size, layer_ids, mask_token)
     data, checkpoint = out / "data", out / "checkpoint.pt"

@@ -198,21 +198,21 @@ def test_a_small_at_scale_run_on_the_cpu_makes_a_drafter_the_server_loads(embedd
     again = json.loads((tmp_path / "again" / "drafter" / "training.json").read_text())
     assert again["init_from"] == str(out / "drafter") and again["steps"] == 2
     assert not (tmp_path / "again" / "drafter" / "draft_vocab.json").exists()  # the first had none
-    shipped = tmp_path / "shipped"  # one with a draft vocabulary passes it on
+    # One with a draft vocabulary passes it on; trained against that vocabulary's rows of the head
+    # (--loss-vocabulary), which the training record names.
+    shipped = tmp_path / "shipped"
     shutil.copytree(out / "drafter", shipped)
-    (shipped / "draft_vocab.json").write_text('{"ids": [1, 2, 3]}')
-    main(["run", *small, "--out", str(tmp_path / "vocab"), "--layers", "1", "--init-from", str(shipped)])
-    assert (tmp_path / "vocab" / "drafter" / "draft_vocab.json").read_text() == '{"ids": [1, 2, 3]}'
-    # Trained against a draft vocabulary's rows of the head: the drafter proposes from that vocabulary.
     half = json.dumps({"ids": list(range(0, 49152, 2))})
     (shipped / "draft_vocab.json").write_text(half)
-    main(["run", *small, "--out", str(tmp_path / "scored"), "--layers", "1", "--init-from", str(out / "drafter"),
+    main(["run", *small, "--out", str(tmp_path / "vocab"), "--layers", "1", "--init-from", str(shipped),
           "--loss-vocabulary", str(shipped)])
-    scored = json.loads((tmp_path / "scored" / "drafter" / "training.json").read_text())
+    assert (tmp_path / "vocab" / "drafter" / "draft_vocab.json").read_text() == half
+    scored = json.loads((tmp_path / "vocab" / "drafter" / "training.json").read_text())
     assert scored["loss_vocabulary"] == str(shipped) and scored["loss_vocabulary_size"] == 24576
-    assert (tmp_path / "scored" / "drafter" / "draft_vocab.json").read_text() == half
+    assert scored["held_out_acceptance"] and all(1.0 <= v <= 8.0 for v in scored["held_out_acceptance"].values())
     with pytest.raises(SystemExit, match="--loss-vocabulary .*no draft_vocab.json there"):
         main(["run", *small, "--out", str(tmp_path / "none"), "--layers", "1", "--loss-vocabulary", str(tmp_path)])
+    assert not (tmp_path / "none").exists()  # refused before anything was written
     with pytest.raises(SystemExit, match="num_layers=1.*num_layers=2"):
         main(["run", *small, "--out", str(tmp_path / "wrong"), "--layers", "2", "--init-from", str(out / "drafter")])
 
