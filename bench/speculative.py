@@ -96,6 +96,22 @@ def with_system(messages: list[dict], tokens: int) -> list[dict]:
     return [{"role": "system", "content": system}] + messages
 
 
+def add_context_arguments(parser: argparse.ArgumentParser) -> None:
+    """--max-ctx and --rope-attention-factor: the target's context and its YaRN (also bench/unseen_acceptance.py)."""
+    parser.add_argument("--max-ctx", type=int, default=0,
+                        help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
+                             "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
+    parser.add_argument("--rope-attention-factor", type=float, default=0.0,
+                        help="[model] rope_attention_factor: YaRN's attention factor where --max-ctx makes the target "
+                             "scaled (0: YaRN's own, 0.1 ln(factor) + 1; 1: YaRN's frequencies without its temperature)")
+
+
+def target_context(args: argparse.Namespace) -> int:
+    """--max-ctx, or room for the prompts after --system-tokens (a token is ~4 characters of the
+    system prompt, at most 2 here)."""
+    return args.max_ctx or 2048 + 2 * args.system_tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=EMBEDDED_DEFAULT)
@@ -119,19 +135,14 @@ def main() -> None:
                         help="put the captured Claude Code system prompt, cut to about this many tokens, before every "
                              "conversation (as bench/agent_loop.py does): drafts verified deep in a context, as an "
                              "agent's are")
-    parser.add_argument("--max-ctx", type=int, default=0,
-                        help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
-                             "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
-    parser.add_argument("--rope-attention-factor", type=float, default=0.0,
-                        help="[model] rope_attention_factor: YaRN's attention factor where --max-ctx makes the target "
-                             "scaled (0: YaRN's own, 0.1 ln(factor) + 1; 1: YaRN's frequencies without its temperature)")
+    add_context_arguments(parser)
     parser.add_argument("--prompts", default="code editing,chat,coding",
                         help="which prompt sets: code editing, chat, coding, tool use (agent turns with the built-in "
                              "tool prompt, from dflash/training/unseen.py)")
     args = parser.parse_args()
     # Loaded as a server would be: where it would not speculate (speculation_off: a verified row
     # could differ from a decoded one on this CPU with these weights) there is nothing to measure.
-    max_ctx = args.max_ctx or 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
+    max_ctx = target_context(args)
     loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads, kv_cache=args.kv_cache,
                         rope_attention_factor=args.rope_attention_factor, speculation=SpeculationConfig(drafter="ngram"))
     if loaded.engine.speculation.drafter == "none":

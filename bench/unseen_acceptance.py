@@ -23,7 +23,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from speculative import with_system  # noqa: E402  (bench/ is on the path: this script's folder)
+from speculative import add_context_arguments, target_context, with_system  # noqa: E402  (bench/ is on the path: this script's folder)
 
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.drafters.dflash import CONTEXT_WINDOW  # noqa: E402
@@ -51,16 +51,11 @@ def main() -> None:
                              "every conversation")
     parser.add_argument("--windows", default=str(CONTEXT_WINDOW),
                         help="the drafter's context windows to measure, comma-separated (none: the whole context)")
-    parser.add_argument("--max-ctx", type=int, default=0,
-                        help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
-                             "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
-    parser.add_argument("--rope-attention-factor", type=float, default=0.0,
-                        help="[model] rope_attention_factor: YaRN's attention factor where --max-ctx makes the target "
-                             "scaled (0: YaRN's own, 0.1 ln(factor) + 1; 1: YaRN's frequencies without its temperature)")
+    add_context_arguments(parser)
     parser.add_argument("--slots", action="store_true",
                         help="also each block slot's hit rate per prompt type (among blocks right up to it)")
     args = parser.parse_args()
-    max_ctx = args.max_ctx or 2048 + 2 * args.system_tokens  # a token is ~4 characters of the system prompt, at most 2 here
+    max_ctx = target_context(args)
     loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads,
                         rope_attention_factor=args.rope_attention_factor)
     windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
