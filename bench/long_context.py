@@ -13,7 +13,7 @@ L is computed once and shared by that length's three questions (the engine keeps
 needles of the other lengths that lie before L are in that context as distractors. A 4096-token
 length inside the trained context is the control: it shows whether the model retrieves at all.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/long_context.py [--scalings yarn,yarn:1,none] [--weights int4 --kv-cache int8]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/long_context.py [--scalings yarn,yarn-static,yarn:1,none] [--weights int4 --kv-cache int8]
 """
 
 from __future__ import annotations
@@ -85,9 +85,10 @@ def question_ids(tokenizer, key: str) -> list[int]:
 
 def run_scaling(args, scaling: str, haystack: list[int], needle_positions: set[int], needles: list[dict]):
     mode, _, attention_factor = scaling.partition(":")  # "yarn:1": [model] rope_attention_factor = 1
+    static = mode.endswith("-static")  # "yarn-static": [model] rope_scaling_static = true
     loaded = load_model(args.model, dtype=args.dtype, weights=args.weights, kv_cache=args.kv_cache, max_ctx=args.max_ctx,
-                        rope_scaling=mode, rope_attention_factor=float(attention_factor or 0), prefill_chunk=CHUNK_TOKENS,
-                        threads=args.threads)
+                        rope_scaling=mode.removesuffix("-static"), rope_attention_factor=float(attention_factor or 0),
+                        rope_scaling_static=static, prefill_chunk=CHUNK_TOKENS, threads=args.threads)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     longest_question = max(len(question_ids(tokenizer, n["key"])) for n in needles)
     # Where the haystack is cut for each length's questions: question and answer fit inside it.
@@ -136,7 +137,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,16384,24576,32768", help="needle context lengths")
     parser.add_argument("--scalings", default="yarn,none",
                         help="[model] rope_scaling values, comma-separated; yarn:F also sets rope_attention_factor F "
-                             "(yarn:1 is YaRN's frequencies without its attention temperature)")
+                             "(yarn:1 is YaRN's frequencies without its attention temperature); yarn-static sets "
+                             "rope_scaling_static (YaRN from position 0, not from the first past the trained context)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -159,7 +161,8 @@ def main() -> None:
     for scaling, (perplexity, _, prefill_s, rope, kv_dtype) in results.items():
         cells = " | ".join(f"{p:.2f}" for p in perplexity)
         temperature = f", attention factor {rope['attention_factor']:g}" if rope and "attention_factor" in rope else ""
-        label = f"{scaling} (factor {rope['factor']:g}{temperature})" if rope else scaling
+        switch = f", from position {rope['plain_within']}" if rope and "plain_within" in rope else ""
+        label = f"{scaling} (factor {rope['factor']:g}{temperature}{switch})" if rope else scaling
         print(f"| {kind} | {label} | {kv_dtype} | {cells} | {prefill_s:.0f} s |")
 
     print("\n| cpu | rope_scaling | context | found | expected → answered |")

@@ -97,13 +97,17 @@ def with_system(messages: list[dict], tokens: int) -> list[dict]:
 
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:
-    """--max-ctx and --rope-attention-factor: the target's context and its YaRN (also bench/unseen_acceptance.py)."""
+    """--max-ctx, --rope-attention-factor and --rope-scaling-static: the target's context and its YaRN
+    (also bench/unseen_acceptance.py)."""
     parser.add_argument("--max-ctx", type=int, default=0,
                         help="the target's context (0: 2048 + 2 x --system-tokens); past the model's trained context "
                              "the target runs with YaRN, as the default set-up (examples/default.toml, 32768) does")
     parser.add_argument("--rope-attention-factor", type=float, default=0.0,
                         help="[model] rope_attention_factor: YaRN's attention factor where --max-ctx makes the target "
                              "scaled (0: YaRN's own, 0.1 ln(factor) + 1; 1: YaRN's frequencies without its temperature)")
+    parser.add_argument("--rope-scaling-static", action="store_true",
+                        help="[model] rope_scaling_static: the target's YaRN at every position, not only past its "
+                             "trained context (the default set-up before session 39)")
 
 
 def target_context(args: argparse.Namespace) -> int:
@@ -144,7 +148,8 @@ def main() -> None:
     # could differ from a decoded one on this CPU with these weights) there is nothing to measure.
     max_ctx = target_context(args)
     loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads, kv_cache=args.kv_cache,
-                        rope_attention_factor=args.rope_attention_factor, speculation=SpeculationConfig(drafter="ngram"))
+                        rope_attention_factor=args.rope_attention_factor, rope_scaling_static=args.rope_scaling_static,
+                        speculation=SpeculationConfig(drafter="ngram"))
     if loaded.engine.speculation.drafter == "none":
         raise SystemExit(f"a server with weights {loaded.weights!r} on this CPU ({cpu_kind()}) does not speculate "
                          "(see the speculation_off log line); try --weights int4 or int8")

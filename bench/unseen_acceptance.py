@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     max_ctx = target_context(args)
     loaded = load_model(args.model, weights=args.weights, max_ctx=max_ctx, threads=args.threads,
-                        rope_attention_factor=args.rope_attention_factor)
+                        rope_attention_factor=args.rope_attention_factor, rope_scaling_static=args.rope_scaling_static)
     windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
     conversations = {kind: [with_system(messages, args.system_tokens) for messages in kind_conversations]
                      for kind, kind_conversations in UNSEEN_PROMPTS.items()} if args.system_tokens else None

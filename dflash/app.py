@@ -48,7 +48,7 @@ def load_served_model(full_config: Config) -> tuple[contract.Engine, ModelText]:
         config.source, dtype=config.dtype, weights=config.weights, kv_cache=config.kv_cache, max_ctx=config.max_ctx,
         threads=config.threads,
         rope_scaling=config.rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
-        rope_attention_factor=config.rope_attention_factor,
+        rope_attention_factor=config.rope_attention_factor, rope_scaling_static=config.rope_scaling_static,
         prefill_chunk=config.prefill_chunk, cache_dir=os.path.expanduser(config.cache_dir),
         speculation=speculation_settings(spec),
         draft_model=spec.draft_model,

@@ -112,6 +112,9 @@ class ModelConfig:
     rope_scaling_factor: float = attrs.field(default=0.0, validator=_zero_or_at_least_one)
     # YaRN's attention temperature: 0 = its own, 0.1 ln(factor) + 1 (see README, Context length).
     rope_attention_factor: float = attrs.field(default=0.0, validator=_zero_or_positive)
+    # false: a scaling the server chooses applies from the first position past the trained context
+    # (a shorter sequence runs the model as trained); true: at every position. See README, Context length.
+    rope_scaling_static: bool = False
     threads: int = attrs.field(default=2, validator=_ints(1))
     prefill_chunk: int = attrs.field(default=256, validator=_ints(1))
     cache_dir: str = "~/.cache/dflash"

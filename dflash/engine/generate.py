@@ -154,6 +154,14 @@ class Engine:
         return (sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
                 sum(t[:, :, :1].numel() * t.element_size() for t in tensors))
 
+    def draft_room(self) -> int:
+        """How many drafted tokens may follow the pending one in a verification: past the position
+        where the model's RoPE scaling switches in (model.rope_switch), none may lie beyond it, so
+        the rows below it are computed as plain decoding computes them."""
+        switch = getattr(self.model, "rope_switch", None)
+        base = self.kv.length  # the pending token's position
+        return self.max_ctx if switch is None or base >= switch else switch - base - 1
+
     def forward_tree(self, tree: DraftTree, pending: int) -> tuple[torch.Tensor, TreeRows]:
         """Append the pending token and a draft tree's rows after the committed ones (Transformer.forward's
         `tree`); returns every row's logits and what keep_tree_path needs."""
@@ -370,6 +378,9 @@ class Generation:
         if not self.engine.kv.snapshots_any_prefix:  # the transformers backend: pause at each snapshot
             pauses = self.boundaries + ([exact] if exact is not None else [])
             end = min([end] + [p for p in pauses if p > start])
+        switch = getattr(self.engine.model, "rope_switch", None)
+        if switch is not None and start < switch < end:
+            end = switch  # boundaries below it are snapshotted before its keys are rotated
         # Otherwise boundaries inside the chunk are snapshotted after it: splitting a chunk there
         # would leave short pieces, and short bf16 matmuls cost per row on a CPU.
         chunk = self.prompt_ids[start:end]
@@ -398,12 +409,13 @@ class Generation:
             # The pending token is committed to the matcher already; drafts past the first token
             # the grammar refuses could never be accepted.
             draft = draft[: self.constraint.valid_prefix(draft)]
+        room = min(self.max_tokens - len(self.output), self.engine.draft_room())
         if isinstance(draft, DraftTree):
-            draft = draft.within(self.max_tokens - len(self.output))
+            draft = draft.within(room)
             if draft:
                 return self._tree_step(drafter, draft, started)
-        elif draft:
-            return self._speculative_step(drafter, draft, started)
+        elif draft and draft[:room]:
+            return self._speculative_step(drafter, draft[:room], started)
         logits = self.engine.forward([self.output[-1]])
         emitted = self._emit(self._sample(logits[-1]))
         self.speculation.record_plain(time.perf_counter() - started)
@@ -411,7 +423,6 @@ class Generation:
 
     def _speculative_step(self, drafter, draft: list[int], started: float) -> StepOutput:
         """Verify `draft` after the pending token in one target forward (see speculative.py)."""
-        draft = draft[: self.max_tokens - len(self.output)]
         base = self.engine.kv.length
         logits = self.engine.forward([self.output[-1]] + draft, logits_positions=None)
         emitted: list[int] = []

@@ -40,6 +40,14 @@ class HFCache:
         self.cache.activate_past_recording()
         self.length = 0
 
+    def keepable(self, length: int) -> int:
+        """How many of the first `length` positions a crop keeps, as far as known beforehand: all
+        (a sliding-window layer's loss shows only in crop)."""
+        return length
+
+    def can_snapshot(self, length: int) -> bool:
+        return True
+
     def crop(self, length: int) -> None:
         """Roll back to `length`; where a sliding-window layer no longer holds the states needed,
         start over empty (length 0) — the caller reads `length` and recomputes."""

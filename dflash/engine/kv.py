@@ -85,6 +85,7 @@ class KVCache:
         dtype: torch.dtype,
         device,
         snapshot_dtype: torch.dtype | None = None,
+        rope_switch: int | None = None,
     ):
         shape = (layers, kv_heads, max_ctx, head_dim)
         # Snapshots may be stored narrower than the cache: a bf16 model's keys and values are exact
@@ -94,6 +95,38 @@ class KVCache:
         self.values = lazily_zeroed(shape, dtype, device)
         self.max_ctx = max_ctx
         self.length = 0
+        # Where the model's RoPE scaling switches in (model.rope_switch), and whether the keys below
+        # it have been rotated to the scaled angles. Rotated keys serve only a sequence past the
+        # switch, so a state cut back below it cannot be kept, nor snapshotted: they are a
+        # function of the tokens (rows computed as trained, rotated once), exact like the rest.
+        self.rope_switch = rope_switch
+        self.rope_rotated = False
+
+    def rotated_at(self, length: int) -> bool:
+        """Whether the keys of a state of `length` positions are rotated: it lies past the switch."""
+        return self.rope_switch is not None and length > self.rope_switch
+
+    def keepable(self, length: int) -> int:
+        """How many of the first `length` positions a crop keeps: all, or none where rotated keys
+        would have to serve a sequence that no longer passes the switch."""
+        return 0 if self.rope_rotated and length < self.rope_switch else length
+
+    def can_snapshot(self, length: int) -> bool:
+        """Whether a snapshot of the first `length` positions holds what a state of that length
+        holds: not where they are rotated and it does not pass the switch."""
+        return not self.rope_rotated or self.rotated_at(length)
+
+    def rotate_keys(self, cos: Tensor, signed_sin: Tensor) -> None:
+        """Rotate the keys below the switch by `cos`/`signed_sin` [switch, D] (model._switch_rope), in
+        fp32, a layer at a time."""
+        if self.rope_rotated or self.rope_switch is None:
+            raise ValueError("the KV cache's keys are rotated already, or it has no RoPE switch")
+        below = self.rope_switch
+        for layer in range(self.keys.shape[0]):
+            keys = self.keys[layer, :, :below].float()
+            rotated = keys * cos + torch.roll(keys, keys.shape[-1] // 2, dims=-1) * signed_sin
+            self.keys[layer, :, :below] = rotated.to(self.keys.dtype)
+        self.rope_rotated = True
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k/v [T, KV, D] at start..start+T; return the layer's keys/values [KV, start+T, D]."""
@@ -118,15 +151,21 @@ class KVCache:
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
     def crop(self, length: int) -> None:
+        """Keep the first `length` positions, or none (`keepable`): `length` says which."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop KV length {self.length} to {length}")
-        self.length = length
+        self.length = self.keepable(length)
+        if self.length == 0:
+            self.rope_rotated = False
 
     def snapshot(self, length: int | None = None, base: KVSnapshot | None = None) -> KVSnapshot:
         """A copy of positions 0..length (all committed by default). With `base`, a snapshot of this
         cache's first base.length positions (the caller's word that they still hold what they held
         then), only positions base.length.. are copied and the base is shared."""
         n, base, start = self._span(length, base)
+        if not self.can_snapshot(n):
+            raise ValueError(f"the keys below position {self.rope_switch} are rotated; a snapshot of {n} positions "
+                             "would not hold that state")
         narrow = self.snapshot_dtype
         return KVSnapshot(self.keys[:, :, start:n].to(narrow, copy=True), self.values[:, :, start:n].to(narrow, copy=True),
                           n, base=base)
@@ -134,7 +173,8 @@ class KVCache:
     def _span(self, length: int | None, base: KVSnapshot | None) -> tuple[int, KVSnapshot | None, int]:
         """(the snapshot's length, the base it is built on or None, its first own position)."""
         n = self.length if length is None else length
-        if base is None or base.length > n or len(base.chain()) >= KVSnapshot.MAX_CHAIN:
+        if (base is None or base.length > n or len(base.chain()) >= KVSnapshot.MAX_CHAIN
+                or self.rotated_at(base.length) != self.rotated_at(n)):  # a base's keys unrotated, the rest not
             return n, None, 0
         if (base.key_scales is None) != (not self.quantized):
             raise ValueError("a snapshot's base must come from the same kind of KV cache")
@@ -147,9 +187,13 @@ class KVCache:
         if n > self.max_ctx:
             raise ValueError(f"snapshot of {n} tokens does not fit a KV cache of {self.max_ctx}")
         self._check_kind(snap)
+        rotated = self.rotated_at(n)
+        if rotated != self.rope_rotated:
+            held = 0  # the positions held are rotated the other way
         for link in snap.chain():
             self._restore_link(link, min(max(held, link.start), link.length))
         self.length = n
+        self.rope_rotated = rotated
 
     def _check_kind(self, snap: KVSnapshot) -> None:
         if snap.key_scales is not None:
@@ -184,6 +228,8 @@ class Int8KVCache(KVCache):
         self.value_scales = lazily_zeroed((layers, kv_heads, max_ctx), torch.float32, device)
         self.max_ctx = max_ctx
         self.length = 0
+        self.rope_switch = None  # its codes are not rotated (model.new_kv_cache refuses a switch)
+        self.rope_rotated = False
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         """Quantize k/v [T, KV, D] into positions start..start+T of the layer."""

@@ -98,7 +98,7 @@ ROPE_SCALING_MODES = ("auto", "none", "yarn", "linear")
 
 
 def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor: float = 0.0,
-                      attention_factor: float = 0.0) -> ModelArgs:
+                      attention_factor: float = 0.0, static: bool = False) -> ModelArgs:
     """`args` with the RoPE scaling that serves `max_ctx` positions.
 
     "auto" keeps a scaling the model's config declares (it was trained or tuned with it) and
@@ -107,6 +107,14 @@ def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor:
     and "linear" replace whatever the config declares. `factor` 0 means max_ctx / trained context.
     `attention_factor` > 0 replaces the served YaRN's attention temperature (0: its own, 0.1
     ln(factor) + 1), a declared one's too; where no YaRN is served it changes nothing.
+
+    A scaling chosen here (not one the config declares) applies only from the first position past
+    the trained context unless `static`: a sequence within it runs on plain RoPE, the model as
+    trained, and switches when it first passes it (`rope_switch`). Static YaRN changes the model at
+    every position (its temperature and low frequencies apply throughout): on the embedded model
+    perplexity at 0-8K went 5.36 -> 6.10 and needles at 4K 3/3 -> 1/3 (README, Numbers: long
+    context), and the DFlash drafter, trained on the unscaled target, accepted less (README: "The
+    drafter under the default set-up's YaRN").
     """
     if mode not in ROPE_SCALING_MODES:
         raise ValueError(f"unknown rope_scaling {mode!r}; expected one of {', '.join(ROPE_SCALING_MODES)}")
@@ -130,7 +138,15 @@ def with_rope_scaling(args: ModelArgs, max_ctx: int, mode: str = "auto", factor:
         scaling["original_max_position_embeddings"] = trained
         if attention_factor:
             scaling["attention_factor"] = float(attention_factor)
+    if not static and factor > 1:
+        scaling["plain_within"] = int(trained)
     return attrs.evolve(args, rope_scaling=scaling)
+
+
+def rope_switch(args: ModelArgs) -> int | None:
+    """The first position whose sequence runs on the scaled RoPE, where the scaling switches in
+    (with_rope_scaling's `static`); None where it applies from position 0 or there is none."""
+    return (args.rope_scaling or {}).get("plain_within")
 
 
 def kv_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -348,6 +364,33 @@ def rope_tables(inv_freq: Tensor, max_ctx: int, scale: float, dtype: torch.dtype
     freqs = torch.outer(positions, inv_freq.to(device))
     cos = (torch.cat((freqs, freqs), dim=-1).cos() * scale).to(dtype)
     sin = (freqs.sin() * scale).to(dtype)
+    return cos, torch.cat((-sin, sin), dim=-1)
+
+
+def switched_rope_tables(args: ModelArgs, max_ctx: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+    """The tables a model whose scaling switches in at `rope_switch(args)` serves with: plain RoPE
+    below that position, the scaled one from it on (see rotate_to_scaled for the keys below)."""
+    switch = rope_switch(args)
+    plain, _ = rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
+    scaled, scale = rope_inverse_frequencies(args)
+    plain_cos, plain_sin = rope_tables(plain, min(switch, max_ctx), 1.0, dtype, device)
+    scaled_cos, scaled_sin = rope_tables(scaled, max_ctx, scale, dtype, device)
+    return torch.cat((plain_cos, scaled_cos[switch:])), torch.cat((plain_sin, scaled_sin[switch:]))
+
+
+def rope_rotation_tables(args: ModelArgs, device) -> tuple[Tensor, Tensor]:
+    """cos and signed sin [switch, D] (fp32) that turn a key rotated by plain RoPE at its position
+    into the key the scaled RoPE gives there: rotations in the same planes add up, so the difference
+    of the two angles, times the scaled RoPE's attention factor (plain RoPE's is 1)."""
+    switch = rope_switch(args)
+    plain, _ = rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
+    scaled, scale = rope_inverse_frequencies(args)
+    positions = torch.arange(switch, dtype=torch.float64, device=device)
+    # Each angle as rope_tables computes it (fp32 products), their difference taken in fp64.
+    angles = (torch.outer(positions.float(), scaled.to(device)).double()
+              - torch.outer(positions.float(), plain.to(device)).double())
+    cos = (torch.cat((angles, angles), dim=-1).cos() * scale).float()
+    sin = (angles.sin() * scale).float()
     return cos, torch.cat((-sin, sin), dim=-1)
 
 
@@ -586,6 +629,9 @@ class Transformer(nn.Module):
         inv_freq, self.rope_attention_scale = rope_inverse_frequencies(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_cache: tuple[Tensor, Tensor] | None = None
+        self.rope_switch = rope_switch(args)
+        self._served_rope_cache: tuple[Tensor, Tensor] | None = None
+        self._rotation: tuple[Tensor, Tensor] | None = None
         self._native_arguments: dict | None = None
         self.kv_cache = "auto"  # or "int8" (loading.load_model's kv_cache)
 
@@ -603,8 +649,12 @@ class Transformer(nn.Module):
         a = self.args
         dtype = dtype or self.kv_dtype
         if dtype == torch.int8:
+            if self.rope_switch is not None:
+                raise ValueError("an int8 KV cache cannot switch its RoPE scaling in (its keys would be requantized); "
+                                 "set [model] rope_scaling_static = true or kv_cache = \"float\"")
             return Int8KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.device, native_kernels())
-        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, dtype, self.device, self.dtype)
+        return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, dtype, self.device, self.dtype,
+                       rope_switch=self.rope_switch)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -630,10 +680,51 @@ class Transformer(nn.Module):
         return all(kind in (INT8_DOT, INT4_DOT) for kind in self._native_layer_arguments()["kinds"])
 
     def _rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
+        """The scaled RoPE's tables at every position (speculative prefill's scorer scores with them)."""
         if self._rope_cache is None or self._rope_cache[0].shape[0] < max_ctx:
             cos, sin = rope_tables(self.inv_freq, max_ctx, self.rope_attention_scale, self.dtype, self.device)
             self._rope_cache = (cos.unsqueeze(1), sin.unsqueeze(1))  # [max_ctx, 1, D]
         return self._rope_cache
+
+    def _served_rope_tables(self, max_ctx: int) -> tuple[Tensor, Tensor]:
+        """The tables forward rotates queries and keys with: plain below the switch, if there is one."""
+        if self.rope_switch is None:
+            return self._rope_tables(max_ctx)
+        if self._served_rope_cache is None or self._served_rope_cache[0].shape[0] < max_ctx:
+            cos, sin = switched_rope_tables(self.args, max_ctx, self.dtype, self.device)
+            self._served_rope_cache = (cos.unsqueeze(1), sin.unsqueeze(1))
+        return self._served_rope_cache
+
+    def _switch_rope(self, kv: KVCache) -> None:
+        """Before the first position past the switch: the keys below it, rotated by plain RoPE, are
+        rotated on to the scaled RoPE's angles, so the scaled queries from here on see every key at
+        its true distance. Their values, and the keys' content, stay those of the model as trained."""
+        if self._rotation is None:
+            self._rotation = rope_rotation_tables(self.args, self.device)
+        kv.rotate_keys(*self._rotation)
+
+    def _forward_across_switch(self, tokens: Tensor, start_position: int, kv: KVCache, capture_layers: Sequence[int],
+                               logits_positions, capture_into: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """A call whose tokens straddle the switch, as two: the rows below it are computed as they
+        would be alone (so the result does not depend on where calls begin and end), then the keys
+        are rotated, then the rest."""
+        T, head = tokens.shape[0], self.rope_switch - start_position
+        wanted = list(range(T)[logits_positions]) if isinstance(logits_positions, slice) else (
+            list(range(T)) if logits_positions is None else [p % T for p in logits_positions])
+        logits, captured = [], []
+        for part, (begin, end) in enumerate(((0, head), (head, T))):
+            rows = [p - begin for p in wanted if begin <= p < end]
+            part_logits, part_captured = self.forward(
+                tokens[begin:end], start_position + begin, kv, capture_layers=capture_layers, logits_positions=rows,
+                capture_into=None if capture_into is None else capture_into[begin:end])
+            logits.append(part_logits)
+            captured.append(part_captured)
+        # The parts' logits come below-the-switch rows first; put them back in the order asked for.
+        made = sorted(range(len(wanted)), key=lambda i: wanted[i] >= head)
+        joined = torch.cat(logits)
+        if made != list(range(len(wanted))):
+            joined = joined[torch.tensor(made).argsort()]
+        return joined, [torch.cat(pieces) for pieces in zip(*captured)]
 
     @torch.inference_mode()
     def forward(
@@ -666,7 +757,16 @@ class Transformer(nn.Module):
         end = start_position + T
         if end > kv.max_ctx:
             raise ValueError(f"positions up to {end} exceed the KV cache size {kv.max_ctx}")
-        cos_table, sin_table = self._rope_tables(kv.max_ctx)
+        switch = self.rope_switch
+        last = end - 1 if tree is None else start_position + max(tree_depths(tree.parents))
+        if switch is not None and start_position < switch <= last:
+            if tree is not None or attention_mask is not None:
+                raise ValueError(f"a draft tree or masked call at positions {start_position}..{end - 1} straddles "
+                                 f"position {switch}, where the RoPE scaling switches in; verify up to it first")
+            return self._forward_across_switch(tokens, start_position, kv, capture_layers, logits_positions, capture_into)
+        if switch is not None and start_position >= switch and not kv.rope_rotated:
+            self._switch_rope(kv)
+        cos_table, sin_table = self._served_rope_tables(kv.max_ctx)
         if tree is None:
             cos = cos_table[start_position:end]
             sin = sin_table[start_position:end]

@@ -60,7 +60,7 @@ class PrefixReuse:
     def available(self, prompt: Sequence[int]) -> int:
         """How many of `prompt`'s tokens the live state or a snapshot in memory holds, without
         changing anything (`begin` reuses at least as many; the disk tier is not asked)."""
-        live = common_prefix_length(self.committed, prompt) if self.reuse_live_state else 0
+        live = self.kv.keepable(common_prefix_length(self.committed, prompt)) if self.reuse_live_state else 0
         found = [c for c in (self.prefix_cache.deepest(prompt), self.prompt_cache.deepest(prompt)) if c is not None]
         return min(max([live] + [given for _, given in found]), len(prompt) - 1)
 
@@ -99,6 +99,8 @@ class PrefixReuse:
         common = common_prefix_length(self.committed, turn)
         if common < len(self.committed) and not self.agent_turn_replay:
             return None
+        if self.kv.keepable(common) < common:
+            return None  # the state would start over (kv.keepable): the idle engine would compute it all again
         return self.rollback(common)
 
     def keep_turn(self) -> None:
@@ -114,7 +116,7 @@ class PrefixReuse:
         shared = common_prefix_length(self.committed, prompt)
         if self.agent_turn_cache:
             self._keep_live_turn(shared)
-        live = min(shared, len(prompt) - 1) if self.reuse_live_state else 0
+        live = self.kv.keepable(min(shared, len(prompt) - 1)) if self.reuse_live_state else 0
         found = [(cache, cache.lookup(prompt)) for cache in (self.prefix_cache, self.prompt_cache)]
         source, (entry, given) = max(((cache, match) for cache, match in found if match is not None),
                                      key=lambda pair: pair[1][1], default=(None, (None, 0)))
@@ -173,7 +175,7 @@ class PrefixReuse:
         """Store the state of the first `length` committed tokens (all by default) in `cache`: a
         right-sized copy, or only the positions past the entry of its longest prefix, built on it."""
         tokens = self.committed if length is None else self.committed[:length]
-        if not cache.enabled or tokens in cache:
+        if not cache.enabled or tokens in cache or not self.kv.can_snapshot(len(tokens)):
             return
         if self.kv.snapshots_any_prefix:
             base = self._kept_prefix(tokens)

@@ -47,12 +47,19 @@ def test_hf_folder_loads_and_generates_like_transformers(tmp_path):
 
 def test_the_rope_attention_factor_reaches_the_served_yarn_and_a_misuse_is_named(tmp_path):
     write_hf_folder(tmp_path / "tiny")  # trained context 256
-    own = load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=1024)
-    cooled = load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=1024, rope_attention_factor=1.0)
+    own = load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=1024, rope_scaling_static=True)
+    cooled = load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=1024, rope_attention_factor=1.0,
+                        rope_scaling_static=True)
     assert own.engine.model.rope_attention_scale > 1.0 and cooled.engine.model.rope_attention_scale == 1.0
     assert cooled.engine.model.args.rope_scaling["attention_factor"] == 1.0  # part of the disk cache's identity
     prompt = [5, 9, 33, 7]
     assert not torch.equal(own.engine.forward(prompt), cooled.engine.forward(prompt))
+    # By default the scaling switches in past the trained context: a short prompt runs unscaled.
+    switched = load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=1024)
+    plain = load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=256)
+    assert switched.engine.model.rope_switch == 256 and own.engine.model.rope_switch is None
+    assert switched.engine.model.args.rope_scaling["plain_within"] == 256  # part of the disk cache's identity
+    assert torch.equal(switched.engine.forward(prompt), plain.engine.forward(prompt))
     with pytest.raises(ModelLoadError, match="applies to YaRN only, not to rope_scaling 'none'"):
         load_model(str(tmp_path / "tiny"), dtype="float32", max_ctx=1024, rope_scaling="none", rope_attention_factor=1.0)
 

@@ -38,7 +38,8 @@ def hf_with_rope(hf_model, rope_parameters):
 ])
 def test_scaled_rope_matches_transformers_past_the_trained_context(mode, attention_factor, rope_parameters):
     hf = tiny_hf_model("llama")
-    args = with_rope_scaling(ModelArgs.from_hf_config(hf.config.to_dict()), MAX_CTX, mode, attention_factor=attention_factor)
+    args = with_rope_scaling(ModelArgs.from_hf_config(hf.config.to_dict()), MAX_CTX, mode, attention_factor=attention_factor,
+                             static=True)  # at every position, as transformers applies it (test_rope_switch.py: switched)
     assert args.rope_scaling == rope_parameters
     ours = build_transformer(args, hf.state_dict(), torch.float32)
     ids = torch.randint(0, 128, (3 * TRAINED,), generator=torch.Generator().manual_seed(1))
@@ -54,8 +55,8 @@ def test_auto_scaling_is_yarn_past_the_trained_context_and_keeps_a_declared_scal
     plain = ModelArgs.from_hf_config(tiny_hf_model("llama").config.to_dict())
     assert with_rope_scaling(plain, TRAINED, "auto") == plain
     assert with_rope_scaling(plain, MAX_CTX, "auto").rope_scaling == {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}
-    assert with_rope_scaling(plain, MAX_CTX, "linear", factor=2.0).rope_scaling == {"rope_type": "linear", "factor": 2.0}
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED, "plain_within": TRAINED}
+    assert with_rope_scaling(plain, MAX_CTX, "linear", factor=2.0, static=True).rope_scaling == {"rope_type": "linear", "factor": 2.0}
     declared = ModelArgs.from_hf_config(tiny_hf_model("llama3-rope").config.to_dict())
     assert with_rope_scaling(declared, MAX_CTX, "auto") == declared
     assert with_rope_scaling(declared, MAX_CTX, "none").rope_scaling is None

@@ -54,6 +54,7 @@ def test_the_example_documents_exactly_the_defaults():
     ({"model": {"rope_scaling_factor": 0.5}}, "model.rope_scaling_factor: expected 0 (derived) or a number >= 1, got 0.5"),
     ({"model": {"rope_attention_factor": -1}}, "model.rope_attention_factor: expected 0 (derived) or a positive number, got -1.0"),
     ({"model": {"rope_attention_factor": "1"}}, "model.rope_attention_factor: expected a number, got '1'"),
+    ({"model": {"rope_scaling_static": "yes"}}, "model.rope_scaling_static: expected true or false, got 'yes'"),
     ({"speculative": {"tree_rows": 16}}, "speculative.tree_rows: expected an integer from 0 to 15, got 16"),
     ({"logging": {"format": "xml"}}, "logging.format: expected one of 'json', 'console', got 'xml'"),
     ({"logging": {"log_text": 1}}, "logging.log_text: expected true or false, got 1"),

@@ -1,0 +1,142 @@
+"""A RoPE scaling that switches in past the trained context (with_rope_scaling's default): a sequence
+within it runs the model as trained, one past it the scaled model over keys rotated once; the
+result does not depend on how calls, speculation or caches cut the sequence."""
+
+import pytest
+import torch
+
+from dflash.engine.drafters.dflash import DFlashDrafter, random_draft_model
+from dflash.engine.generate import Engine
+from dflash.engine.model import ModelArgs, build_transformer, with_rope_scaling
+from dflash.engine.native import extension
+from dflash.engine.prefix_cache import PrefixCache
+from dflash.engine.quant import quantize_linears
+from dflash.engine.sampling import SamplingParams
+from dflash.engine.speculative import SpeculationConfig
+from tests.model.test_dflash import tiny_config
+from tests.model.test_draft_tree import oracle_trees
+from tests.model.tiny import tiny_hf_model
+
+TRAINED = 256  # tiny.py's max_position_embeddings
+MAX_CTX = 4 * TRAINED
+
+
+def models(dtype, static_too: bool = True, **sizes):
+    """The switched model, and the static and unscaled ones with the same weights."""
+    hf = tiny_hf_model("qwen3", **sizes)
+    plain = ModelArgs.from_hf_config(hf.config.to_dict())
+    built = [build_transformer(args, hf.state_dict(), dtype) for args in (
+        with_rope_scaling(plain, MAX_CTX, "yarn"), with_rope_scaling(plain, MAX_CTX, "yarn", static=True), plain)]
+    return built if static_too else built[0]
+
+
+def exact_model():
+    """The switched model on int4 weights: our kernels compute a row the same way in any call, so
+    results can be compared bit for bit whatever cut the sequence (bf16 weights are so only in
+    calls of up to FEW_ROWS rows)."""
+    if extension() is None:
+        pytest.skip("needs the native extension")
+    model = models(torch.bfloat16, static_too=False)
+    quantize_linears(model, "int4")
+    return model
+
+
+def test_a_chosen_scaling_switches_in_past_the_trained_context_unless_static():
+    plain = ModelArgs.from_hf_config(tiny_hf_model("llama").config.to_dict())
+    assert with_rope_scaling(plain, MAX_CTX, "auto").rope_scaling["plain_within"] == TRAINED
+    assert "plain_within" not in with_rope_scaling(plain, MAX_CTX, "auto", static=True).rope_scaling
+    assert "plain_within" not in with_rope_scaling(plain, TRAINED, "yarn").rope_scaling  # factor 1: nothing to switch
+    declared = ModelArgs.from_hf_config(tiny_hf_model("yarn-rope").config.to_dict())
+    assert with_rope_scaling(declared, MAX_CTX, "auto") == declared  # a declared scaling is the model's own
+
+
+def test_within_the_trained_context_the_model_is_as_trained_and_past_it_the_scaled_one():
+    """With one layer every key and value below the switch is a function of its token alone, so the
+    switched model past it must equal the static one there: the rotation is the scaled RoPE's."""
+    switched, static, plain = models(torch.float32, num_hidden_layers=1)
+    ids = torch.randint(0, 128, (3 * TRAINED,), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for name, model in (("switched", switched), ("static", static), ("plain", plain)):
+        logits[name], _ = model(ids, 0, model.new_kv_cache(MAX_CTX), logits_positions=None)
+    assert torch.equal(logits["switched"][:TRAINED], logits["plain"][:TRAINED])
+    torch.testing.assert_close(logits["switched"][TRAINED:], logits["static"][TRAINED:], atol=2e-6, rtol=0)
+    assert (logits["plain"][TRAINED:] - logits["static"][TRAINED:]).abs().max() > 1e-3  # the scalings differ there
+
+
+def test_where_calls_begin_and_end_changes_nothing_across_the_switch():
+    model = exact_model()
+    ids = torch.randint(0, 128, (2 * TRAINED,), generator=torch.Generator().manual_seed(2))
+    whole, _ = model(ids, 0, kv := model.new_kv_cache(MAX_CTX), logits_positions=None)
+    assert kv.rope_rotated
+    chunked = model.new_kv_cache(MAX_CTX)
+    pieces = [model(ids[s : s + 100], s, chunked, logits_positions=None)[0] for s in range(0, len(ids), 100)]
+    assert torch.equal(torch.cat(pieces), whole) and torch.equal(chunked.keys, kv.keys)
+    stepped = model.new_kv_cache(MAX_CTX)
+    model(ids[: TRAINED - 3], 0, stepped)
+    steps = [model(ids[p : p + 1], p, stepped)[0] for p in range(TRAINED - 3, TRAINED + 5)]
+    assert torch.equal(torch.cat(steps), whole[TRAINED - 3 : TRAINED + 5])
+    # Rows asked for out of order, on both sides of the switch, come back in that order.
+    picked, _ = model(ids[TRAINED - 4 : TRAINED + 4], TRAINED - 4, model.new_kv_cache(MAX_CTX), logits_positions=[6, 1, 7])
+    assert picked.shape[0] == 3  # (the cache held nothing before: only the shape is comparable)
+
+
+def speculative_engines(model, tree: bool):
+    if tree:
+        draft = random_draft_model(tiny_config(block_size=8), seed=3, dtype=torch.bfloat16)
+        plain = Engine(model, max_ctx=MAX_CTX, prefill_chunk=64, dflash_drafter=DFlashDrafter(draft, model, MAX_CTX))
+        config = SpeculationConfig(drafter="dflash", max_draft_tokens=7, adaptive=False)
+        return plain, Engine(model, max_ctx=MAX_CTX, prefill_chunk=64, speculation=config,
+                             dflash_drafter=DFlashDrafter(draft, model, MAX_CTX))
+    ngram = SpeculationConfig(drafter="ngram", max_draft_tokens=6, ngram_min=1, ngram_max=3, adaptive=False)
+    return (Engine(model, max_ctx=MAX_CTX, prefill_chunk=64),
+            Engine(model, max_ctx=MAX_CTX, prefill_chunk=64, speculation=ngram))
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_speculation_across_the_switch_decodes_plain_greedy(tree):
+    """No verification straddles the switch (Engine.draft_room): the rows below it are decoded as
+    plain decoding decodes them, and the keys are rotated once, at the same point."""
+    model = exact_model()
+    prompt = [(7 * i + 3) % 120 for i in range(TRAINED - 22)]
+    plain_engine, speculating = speculative_engines(model, tree)
+    plain = plain_engine.start(prompt, SamplingParams(), 48).run()
+    if tree:
+        oracle_trees(speculating, plain, prompt)
+    generation = speculating.start(prompt, SamplingParams(), 48)
+    assert generation.run() == plain
+    assert generation.stats.verification_steps > 0 and generation.stats.accepted_tokens > 0
+    length = plain_engine.kv.length
+    assert length > TRAINED and speculating.kv.rope_rotated and plain_engine.kv.rope_rotated
+    for name in ("keys", "values"):
+        assert torch.equal(getattr(speculating.kv, name)[:, :, :length], getattr(plain_engine.kv, name)[:, :, :length])
+
+
+def test_a_state_past_the_switch_is_not_reused_below_it_and_caches_keep_each_side_apart():
+    model = exact_model()
+    long = [(5 * i + 1) % 120 for i in range(TRAINED + 40)]
+    shorter = long[:240] + [3, 4, 5]  # shares 240 tokens, all below the switch
+    longer = long + [9, 8, 7]  # continues the long one past the switch
+
+    def fresh(prompt):
+        return Engine(model, max_ctx=MAX_CTX, prefill_chunk=64).start(prompt, SamplingParams(), 12).run()
+
+    # Prefill chunks of 100: the one from 200 pauses at the switch, so the boundary at 230 is kept
+    # before the keys are rotated.
+    engine = Engine(model, max_ctx=MAX_CTX, prefill_chunk=100, prefix_cache=PrefixCache(8, 1 << 30))
+    first = engine.start(long, SamplingParams(), 12, snapshot_at=[50, 230, TRAINED + 10])
+    assert first.run() == fresh(long) and engine.kv.rope_rotated
+    # The live state's rotated keys cannot serve `shorter`; the boundary at 230 (kept unrotated) can.
+    second = engine.start(shorter, SamplingParams(), 12)
+    assert second.run() == fresh(shorter)
+    assert second.stats.cached_tokens == 230 and not engine.kv.rope_rotated
+    # The snapshot past the switch is restored with its keys rotated.
+    third = engine.start(longer, SamplingParams(), 12)
+    assert third.run() == fresh(longer)
+    assert third.stats.cached_tokens == TRAINED + 10 and engine.kv.rope_rotated
+    kv = engine.kv
+    with pytest.raises(ValueError, match="rotated"):
+        kv.snapshot(TRAINED - 1)
+    kv.crop(TRAINED + 1)
+    assert kv.length == TRAINED + 1 and kv.rope_rotated
+    kv.crop(TRAINED - 1)
+    assert kv.length == 0 and not kv.rope_rotated  # nothing of it can be kept
