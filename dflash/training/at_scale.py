@@ -253,9 +253,10 @@ def generate_replies(model, store: ReplyStore, prompts: Sequence[Sequence[int]],
     deadline or when full. With `data`, each batch's replies go to a file as soon as it ends.
 
     Batch n runs the target at YaRN factor rope_factors[n % len]. Why: a server whose max_ctx passes
-    the trained context (the default set-up: 32768, factor 4) runs the target scaled at every
-    position, and a drafter trained only on the unscaled target's rows lost τ there (mean 3.13 ->
-    2.64 on the unseen prompts, code editing 3.44 -> 2.58; bench/unseen_acceptance.py --max-ctx)."""
+    the trained context (the default set-up: 32768, factor 4) runs the target scaled past it (at
+    every position with [model] rope_scaling_static), and a drafter trained only on the unscaled
+    target's rows lost τ under the scaling (mean 3.13 -> 2.64 on the unseen prompts, code editing
+    3.44 -> 2.58; bench/unseen_acceptance.py --max-ctx --rope-scaling-static)."""
     from dflash.training.batched_replies import batched_greedy
 
     batches = reply_batches(prompts, batch)

@@ -66,11 +66,14 @@ def test_within_the_trained_context_the_model_is_as_trained_and_past_it_the_scal
 def test_where_calls_begin_and_end_changes_nothing_across_the_switch():
     model = exact_model()
     ids = torch.randint(0, 128, (2 * TRAINED,), generator=torch.Generator().manual_seed(2))
-    whole, _ = model(ids, 0, kv := model.new_kv_cache(MAX_CTX), logits_positions=None)
-    assert kv.rope_rotated
+    rows = torch.zeros(len(ids), 2 * model.args.hidden_size, dtype=torch.bfloat16)  # a DFlash drafter's rows
+    whole, captured = model(ids, 0, kv := model.new_kv_cache(MAX_CTX), logits_positions=None, capture_layers=(2, 0))
+    assert kv.rope_rotated and [c.shape[0] for c in captured] == [len(ids)] * 2
     chunked = model.new_kv_cache(MAX_CTX)
-    pieces = [model(ids[s : s + 100], s, chunked, logits_positions=None)[0] for s in range(0, len(ids), 100)]
+    pieces = [model(ids[s : s + 100], s, chunked, logits_positions=None, capture_layers=(2, 0),
+                    capture_into=rows[s : s + 100])[0] for s in range(0, len(ids), 100)]
     assert torch.equal(torch.cat(pieces), whole) and torch.equal(chunked.keys, kv.keys)
+    assert torch.equal(rows, torch.cat(captured, dim=-1))
     stepped = model.new_kv_cache(MAX_CTX)
     model(ids[: TRAINED - 3], 0, stepped)
     steps = [model(ids[p : p + 1], p, stepped)[0] for p in range(TRAINED - 3, TRAINED + 5)]
