@@ -369,7 +369,7 @@ def rope_tables(inv_freq: Tensor, max_ctx: int, scale: float, dtype: torch.dtype
 
 def switched_rope_tables(args: ModelArgs, max_ctx: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
     """The tables a model whose scaling switches in at `rope_switch(args)` serves with: plain RoPE
-    below that position, the scaled one from it on (see rotate_to_scaled for the keys below)."""
+    below that position, the scaled one from it on (rope_rotation_tables: the keys below, once past it)."""
     switch = rope_switch(args)
     plain, _ = rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
     scaled, scale = rope_inverse_frequencies(args)
@@ -385,10 +385,9 @@ def rope_rotation_tables(args: ModelArgs, device) -> tuple[Tensor, Tensor]:
     switch = rope_switch(args)
     plain, _ = rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
     scaled, scale = rope_inverse_frequencies(args)
-    positions = torch.arange(switch, dtype=torch.float64, device=device)
+    positions = torch.arange(switch, dtype=torch.float32, device=device)
     # Each angle as rope_tables computes it (fp32 products), their difference taken in fp64.
-    angles = (torch.outer(positions.float(), scaled.to(device)).double()
-              - torch.outer(positions.float(), plain.to(device)).double())
+    angles = torch.outer(positions, scaled.to(device)).double() - torch.outer(positions, plain.to(device)).double()
     cos = (torch.cat((angles, angles), dim=-1).cos() * scale).float()
     sin = (angles.sin() * scale).float()
     return cos, torch.cat((-sin, sin), dim=-1)
@@ -712,7 +711,7 @@ class Transformer(nn.Module):
         wanted = list(range(T)[logits_positions]) if isinstance(logits_positions, slice) else (
             list(range(T)) if logits_positions is None else [p % T for p in logits_positions])
         logits, captured = [], []
-        for part, (begin, end) in enumerate(((0, head), (head, T))):
+        for begin, end in ((0, head), (head, T)):
             rows = [p - begin for p in wanted if begin <= p < end]
             part_logits, part_captured = self.forward(
                 tokens[begin:end], start_position + begin, kv, capture_layers=capture_layers, logits_positions=rows,
@@ -758,7 +757,8 @@ class Transformer(nn.Module):
         if end > kv.max_ctx:
             raise ValueError(f"positions up to {end} exceed the KV cache size {kv.max_ctx}")
         switch = self.rope_switch
-        last = end - 1 if tree is None else start_position + max(tree_depths(tree.parents))
+        depths = None if tree is None else tree_depths(tree.parents)
+        last = end - 1 if depths is None else start_position + max(depths)
         if switch is not None and start_position < switch <= last:
             if tree is not None or attention_mask is not None:
                 raise ValueError(f"a draft tree or masked call at positions {start_position}..{end - 1} straddles "
@@ -771,7 +771,7 @@ class Transformer(nn.Module):
             cos = cos_table[start_position:end]
             sin = sin_table[start_position:end]
         else:
-            positions = torch.tensor(tree_depths(tree.parents), device=tokens.device) + start_position
+            positions = torch.tensor(depths, device=tokens.device) + start_position
             cos, sin = cos_table[positions], sin_table[positions]
         x = self.embed(tokens)  # [T, C]
         row_groups = None

@@ -78,9 +78,12 @@ def test_where_calls_begin_and_end_changes_nothing_across_the_switch():
     model(ids[: TRAINED - 3], 0, stepped)
     steps = [model(ids[p : p + 1], p, stepped)[0] for p in range(TRAINED - 3, TRAINED + 5)]
     assert torch.equal(torch.cat(steps), whole[TRAINED - 3 : TRAINED + 5])
-    # Rows asked for out of order, on both sides of the switch, come back in that order.
-    picked, _ = model(ids[TRAINED - 4 : TRAINED + 4], TRAINED - 4, model.new_kv_cache(MAX_CTX), logits_positions=[6, 1, 7])
-    assert picked.shape[0] == 3  # (the cache held nothing before: only the shape is comparable)
+    # Rows asked for out of order, on both sides of the switch, come back in that order; by default the last.
+    for positions, rows in (([6, 1, 7], [6, 1, 7]), (slice(-1, None), [7])):
+        picking = model.new_kv_cache(MAX_CTX)
+        model(ids[: TRAINED - 4], 0, picking)
+        picked, _ = model(ids[TRAINED - 4 : TRAINED + 4], TRAINED - 4, picking, logits_positions=positions)
+        assert torch.equal(picked, whole[[TRAINED - 4 + row for row in rows]])
 
 
 def speculative_engines(model, tree: bool):
