@@ -14,6 +14,7 @@ Without --draft, DFlash runs a random-weight drafter (it shows the cost of draft
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 
@@ -86,11 +87,17 @@ def ratio_spread(ratios: list[float]) -> str:
 
 
 def with_system(messages: list[dict], tokens: int) -> list[dict]:
-    """The conversation after the captured Claude Code system prompt cut to ~`tokens` tokens (its own
-    system message, if any, after it)."""
-    from agent_loop import conversation_start
+    """The conversation after ~`tokens` tokens of the captured Claude Code request (its own system
+    message, if any, after it): its system prompt (~1.5K tokens), then its 24 tool definitions as
+    JSON (~64K characters more), the bulk of that client's ~20K-token first prompt; cut at ~4
+    characters a token. Before session 39 it stopped at the system prompt."""
+    from agent_loop import FIXTURE, conversation_start
 
     system, _ = conversation_start(tokens)
+    if len(system) < tokens * 4:
+        request = json.loads(FIXTURE.read_text())
+        tools = json.dumps(request.get("body", request)["tools"], indent=1)
+        system = (system + "\n\n# Tools\n\n" + tools)[: tokens * 4]
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": system + "\n\n" + messages[0]["content"]}] + messages[1:]
     return [{"role": "system", "content": system}] + messages

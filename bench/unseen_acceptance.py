@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from speculative import add_context_arguments, target_context, with_system  # noqa: E402  (bench/ is on the path: this script's folder)
 
+from dflash.chat.template import render_prompt  # noqa: E402
 from dflash.engine.cpu import cpu_kind  # noqa: E402
 from dflash.engine.drafters.dflash import CONTEXT_WINDOW  # noqa: E402
 from dflash.engine.loading import EMBEDDED_DEFAULT, draft_vocabulary, load_model, serving_draft  # noqa: E402
@@ -47,8 +48,8 @@ def main() -> None:
                         help="propose from every token, not the checkpoint's draft_vocab.json")
     parser.add_argument("--tree-rows", default="7", help="rows of the trees, comma-separated for several (a row each)")
     parser.add_argument("--system-tokens", type=int, default=0,
-                        help="put the captured Claude Code system prompt, cut to about this many tokens, before "
-                             "every conversation")
+                        help="put about this many tokens of the captured Claude Code request (its system prompt, "
+                             "then its tool definitions) before every conversation")
     parser.add_argument("--windows", default=str(CONTEXT_WINDOW),
                         help="the drafter's context windows to measure, comma-separated (none: the whole context)")
     add_context_arguments(parser)
@@ -61,8 +62,11 @@ def main() -> None:
     windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
     conversations = {kind: [with_system(messages, args.system_tokens) for messages in kind_conversations]
                      for kind, kind_conversations in UNSEEN_PROMPTS.items()} if args.system_tokens else None
+    lengths = [len(render_prompt(loaded.tokenizer, messages))
+               for kind_conversations in (conversations or UNSEEN_PROMPTS).values() for messages in kind_conversations]
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} threads={args.threads} tokens={args.tokens} "
-          f"system_tokens={args.system_tokens} max_ctx={max_ctx} rope_scaling={loaded.engine.model.args.rope_scaling}")
+          f"system_tokens={args.system_tokens} prompts={min(lengths)}-{max(lengths)} tokens max_ctx={max_ctx} "
+          f"rope_scaling={loaded.engine.model.args.rope_scaling}")
     print("| drafter | window | drafts | " + " | ".join(UNSEEN_PROMPTS) + " | mean |")
     print("|---" * (len(UNSEEN_PROMPTS) + 4) + "|")
     slots = []

@@ -146,7 +146,8 @@ def unseen_verifications(target, tokenizer, draft, tokens: int = 48, max_ctx: in
             for kind, kind_conversations in (conversations or UNSEEN_PROMPTS).items():
                 steps = result[kind] = []
                 for messages in kind_conversations:
-                    engine.rollback(0)
+                    # The live state keeps what this prompt shares with the last (a long system
+                    # prompt: computed once, not per prompt); the rest is computed afresh.
                     generation = engine.start(render_prompt(tokenizer, messages), SamplingParams(), tokens)
                     stats = generation.stats
                     while generation.finished is None:
