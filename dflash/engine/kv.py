@@ -121,12 +121,16 @@ class KVCache:
         fp32, a layer at a time."""
         if self.rope_rotated or self.rope_switch is None:
             raise ValueError("the KV cache's keys are rotated already, or it has no RoPE switch")
-        below = self.rope_switch
         for layer in range(self.keys.shape[0]):
-            keys = self.keys[layer, :, :below].float()
-            rotated = keys * cos + torch.roll(keys, keys.shape[-1] // 2, dims=-1) * signed_sin
-            self.keys[layer, :, :below] = rotated.to(self.keys.dtype)
+            self._store_rotated_keys(layer, rotated_keys(self._keys_below_switch(layer), cos, signed_sin))
         self.rope_rotated = True
+
+    def _keys_below_switch(self, layer: int) -> Tensor:
+        """The layer's keys below the switch [KV, switch, D] in fp32."""
+        return self.keys[layer, :, : self.rope_switch].float()
+
+    def _store_rotated_keys(self, layer: int, keys: Tensor) -> None:
+        self.keys[layer, :, : self.rope_switch] = keys.to(self.keys.dtype)
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k/v [T, KV, D] at start..start+T; return the layer's keys/values [KV, start+T, D]."""
@@ -206,6 +210,11 @@ class KVCache:
         self.values[:, :, begin:end] = link.values[:, :, skip:]
 
 
+def rotated_keys(keys: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """keys [..., positions, D] rotated by cos/signed_sin [positions, D] (model.apply_rope's form)."""
+    return keys * cos + torch.roll(keys, keys.shape[-1] // 2, dims=-1) * signed_sin
+
+
 class Int8KVCache(KVCache):
     """Keys and values as int8 codes with one float32 scale per (token, KV head): half a bf16
     cache's bytes, so a decode step at depth reads half as much (native/causal_attention.cpp, section
@@ -217,7 +226,8 @@ class Int8KVCache(KVCache):
 
     quantized = True
 
-    def __init__(self, layers: int, kv_heads: int, max_ctx: int, head_dim: int, device, native):
+    def __init__(self, layers: int, kv_heads: int, max_ctx: int, head_dim: int, device, native,
+                 rope_switch: int | None = None):
         if torch.device(device).type != "cpu" or native is None or not native.int8_kv_available():
             raise ValueError("an int8 KV cache needs the native kernels on a CPU with AVX512-VNNI (`make install`)")
         self.native = native
@@ -228,7 +238,7 @@ class Int8KVCache(KVCache):
         self.value_scales = lazily_zeroed((layers, kv_heads, max_ctx), torch.float32, device)
         self.max_ctx = max_ctx
         self.length = 0
-        self.rope_switch = None  # its codes are not rotated (model.new_kv_cache refuses a switch)
+        self.rope_switch = rope_switch
         self.rope_rotated = False
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
@@ -241,6 +251,20 @@ class Int8KVCache(KVCache):
 
     def attention_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype  # the kernel quantizes each query row itself
+
+    def _keys_below_switch(self, layer: int) -> Tensor:
+        below = self.rope_switch
+        return dequantized(self.keys[layer, :, :below], self.key_scales[layer, :, :below], KEY_OFFSET)
+
+    def _store_rotated_keys(self, layer: int, keys: Tensor) -> None:
+        """Quantize the rotated keys again, as every cached row is (quantize_kv); the values it
+        quantizes alongside go to scratch rows laid out as the layer's (it takes one stride for both)."""
+        below = self.rope_switch
+        scratch_values = torch.empty_like(self.values[layer])[:, :below]
+        scratch_scales = torch.empty_like(self.value_scales[layer])[:, :below]
+        rows = keys.transpose(0, 1)  # [switch, KV, D]
+        self.native.quantize_kv(rows, rows, self.keys[layer, :, :below], scratch_values,
+                                self.key_scales[layer, :, :below], scratch_scales, 0)
 
     def attend(self, q: Tensor, layer: int, start: int) -> Tensor:
         """Causal attention of q [T, H, D] at positions start.. over the layer: [T, H, D] in q's dtype."""

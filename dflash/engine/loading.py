@@ -128,8 +128,7 @@ def load_model(
     weight format (quant.py), which also sets the activation dtype (bf16 for the quantized ones).
     `kv_cache`: "float" (the activation dtype: model.kv_dtype_for), "int8" (kv.Int8KVCache; built-in
     decoder, AVX512-VNNI) or "auto" (auto_kv_cache). `rope_scaling_static`: a RoPE scaling chosen
-    here applies at every position, not only past the trained context (model.with_rope_scaling);
-    an int8 KV cache always keeps it so (its codes are not rotated when the scaling switches in)."""
+    here applies at every position, not only past the trained context (model.with_rope_scaling)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     if weights is not None and weights not in WEIGHT_FORMATS:
@@ -156,15 +155,15 @@ def load_model(
         args = ModelArgs.from_hf_config(config)
         if max_ctx <= 0:
             max_ctx = args.max_position_embeddings
-        if kv_cache == "auto":
-            kv_cache = auto_kv_cache(weights, args.head_dim)
         try:
             args = with_rope_scaling(args, max_ctx, rope_scaling, rope_scaling_factor, rope_attention_factor,
-                                     static=rope_scaling_static or kv_cache == "int8")
+                                     static=rope_scaling_static)
         except ValueError as error:
             raise ModelLoadError(str(error)) from error
         model = build_transformer(args, read_safetensors(folder), DTYPES[dtype])
         quantize_linears(model, weights)
+        if kv_cache == "auto":
+            kv_cache = auto_kv_cache(weights, args.head_dim)
         if kv_cache == "int8":
             native_kernels = native_extension()
             if native_kernels is None or not native_kernels.int8_kv_available():

@@ -648,10 +648,8 @@ class Transformer(nn.Module):
         a = self.args
         dtype = dtype or self.kv_dtype
         if dtype == torch.int8:
-            if self.rope_switch is not None:
-                raise ValueError("an int8 KV cache cannot switch its RoPE scaling in (its keys would be requantized); "
-                                 "set [model] rope_scaling_static = true or kv_cache = \"float\"")
-            return Int8KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.device, native_kernels())
+            return Int8KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, self.device, native_kernels(),
+                               rope_switch=self.rope_switch)
         return KVCache(a.num_layers, a.num_kv_heads, max_ctx, a.head_dim, dtype, self.device, self.dtype,
                        rope_switch=self.rope_switch)
 

@@ -30,15 +30,21 @@ def models(dtype, static_too: bool = True, **sizes):
     return built if static_too else built[0]
 
 
-def exact_model():
+def exact_model(cache: str = "auto"):
     """The switched model on int4 weights: our kernels compute a row the same way in any call, so
     results can be compared bit for bit whatever cut the sequence (bf16 weights are so only in
-    calls of up to FEW_ROWS rows)."""
+    calls of up to FEW_ROWS rows). `cache` "int8": its keys' codes are rotated and quantized again."""
     if extension() is None:
         pytest.skip("needs the native extension")
+    if cache == "int8" and not extension().int8_kv_available():
+        pytest.skip("an int8 cache needs AVX512-VNNI")
     model = models(torch.bfloat16, static_too=False)
     quantize_linears(model, "int4")
+    model.kv_cache = cache
     return model
+
+
+CACHES = pytest.mark.parametrize("cache", ["auto", "int8"])
 
 
 def test_a_chosen_scaling_switches_in_past_the_trained_context_unless_static():
@@ -63,8 +69,9 @@ def test_within_the_trained_context_the_model_is_as_trained_and_past_it_the_scal
     assert (logits["plain"][TRAINED:] - logits["static"][TRAINED:]).abs().max() > 1e-3  # the scalings differ there
 
 
-def test_where_calls_begin_and_end_changes_nothing_across_the_switch():
-    model = exact_model()
+@CACHES
+def test_where_calls_begin_and_end_changes_nothing_across_the_switch(cache):
+    model = exact_model(cache)
     ids = torch.randint(0, 128, (2 * TRAINED,), generator=torch.Generator().manual_seed(2))
     rows = torch.zeros(len(ids), 2 * model.args.hidden_size, dtype=torch.bfloat16)  # a DFlash drafter's rows
     whole, captured = model(ids, 0, kv := model.new_kv_cache(MAX_CTX), logits_positions=None, capture_layers=(2, 0))
@@ -98,11 +105,12 @@ def speculative_engines(model, tree: bool):
             Engine(model, max_ctx=MAX_CTX, prefill_chunk=64, speculation=ngram))
 
 
+@CACHES
 @pytest.mark.parametrize("tree", [True, False])
-def test_speculation_across_the_switch_decodes_plain_greedy(tree):
+def test_speculation_across_the_switch_decodes_plain_greedy(tree, cache):
     """No verification straddles the switch (Engine.draft_room): the rows below it are decoded as
     plain decoding decodes them, and the keys are rotated once, at the same point."""
-    model = exact_model()
+    model = exact_model(cache)
     prompt = [(7 * i + 3) % 120 for i in range(TRAINED - 22)]
     plain_engine, speculating = speculative_engines(model, tree)
     plain = plain_engine.start(prompt, SamplingParams(), 48).run()
@@ -113,12 +121,13 @@ def test_speculation_across_the_switch_decodes_plain_greedy(tree):
     assert generation.stats.verification_steps > 0 and generation.stats.accepted_tokens > 0
     length = plain_engine.kv.length
     assert length > TRAINED and speculating.kv.rope_rotated and plain_engine.kv.rope_rotated
-    for name in ("keys", "values"):
+    for name in ("keys", "values") + (("key_scales", "value_scales") if cache == "int8" else ()):
         assert torch.equal(getattr(speculating.kv, name)[:, :, :length], getattr(plain_engine.kv, name)[:, :, :length])
 
 
-def test_a_state_past_the_switch_is_not_reused_below_it_and_caches_keep_each_side_apart():
-    model = exact_model()
+@CACHES
+def test_a_state_past_the_switch_is_not_reused_below_it_and_caches_keep_each_side_apart(cache):
+    model = exact_model(cache)
     long = [(5 * i + 1) % 120 for i in range(TRAINED + 40)]
     shorter = long[:240] + [3, 4, 5]  # shares 240 tokens, all below the switch
     longer = long + [9, 8, 7]  # continues the long one past the switch
@@ -146,3 +155,47 @@ def test_a_state_past_the_switch_is_not_reused_below_it_and_caches_keep_each_sid
     assert kv.length == TRAINED + 1 and kv.rope_rotated
     kv.crop(TRAINED - 1)
     assert kv.length == 0 and not kv.rope_rotated  # nothing of it can be kept
+
+
+class PythonInt8Kernels:
+    """quantize_kv's contract in Python (causal_attention.cpp: check_int8_layer's layout checks, then
+    per row a scale of max |x| / 127 and rounded codes; keys stored + 128): where AVX512-VNNI is
+    missing, it shows that an Int8KVCache's rotation hands the kernel views it accepts."""
+
+    def int8_kv_available(self) -> bool:
+        return True
+
+    def quantize_kv(self, k, v, keys, values, key_scales, value_scales, start):
+        assert keys.dim() == 3 and values.shape == keys.shape and keys.dtype == torch.uint8 and values.dtype == torch.int8
+        assert keys.stride(2) == 1 and keys.stride(1) == keys.size(2) and values.stride() == keys.stride()
+        assert key_scales.shape == keys.shape[:2] and key_scales.stride(1) == 1 and value_scales.stride() == key_scales.stride()
+        assert k.dim() == 3 and k.shape[1:] == (keys.size(0), keys.size(2)) and v.shape == k.shape
+        end = start + k.shape[0]
+        for rows, codes, scales, offset in ((k, keys, key_scales, 128), (v, values, value_scales, 0)):
+            x = rows.float().transpose(0, 1)  # [KV, T, D]
+            scale = x.abs().amax(-1) / 127
+            codes[:, start:end] = (torch.round(x / scale[..., None]).clamp(-127, 127) + offset).to(codes.dtype)
+            scales[:, start:end] = scale
+
+
+def test_an_int8_caches_keys_are_rotated_and_quantized_again_and_its_values_kept():
+    from dflash.engine.kv import Int8KVCache, dequantized
+    from dflash.engine.model import rope_rotation_tables
+
+    switched, *_ = models(torch.float32)
+    args, switch = switched.args, switched.rope_switch
+    cache = Int8KVCache(2, args.num_kv_heads, MAX_CTX, args.head_dim, "cpu", PythonInt8Kernels(), rope_switch=switch)
+    generator = torch.Generator().manual_seed(4)
+    for layer in range(2):
+        cache.write(layer, 0, *torch.randn(2, switch + 8, args.num_kv_heads, args.head_dim, generator=generator))
+    cache.length = switch + 8
+    keys = dequantized(cache.keys[:, :, :switch], cache.key_scales[:, :, :switch], 128)
+    values = (cache.values.clone(), cache.value_scales.clone(), cache.keys[:, :, switch:].clone())
+    cos, sin = rope_rotation_tables(args, "cpu")
+    cache.rotate_keys(cos, sin)
+    expected = keys * cos + torch.roll(keys, args.head_dim // 2, dims=-1) * sin
+    got = dequantized(cache.keys[:, :, :switch], cache.key_scales[:, :, :switch], 128)
+    assert (got - expected).abs().max() <= 0.51 * cache.key_scales[:, :, :switch].max() + 1e-6  # half a code
+    assert (got - keys).abs().max() > 0.1  # they did turn
+    assert torch.equal(cache.values, values[0]) and torch.equal(cache.value_scales, values[1])
+    assert torch.equal(cache.keys[:, :, switch:], values[2]) and cache.rope_rotated
