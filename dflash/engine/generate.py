@@ -378,11 +378,12 @@ class Generation:
         if not self.engine.kv.snapshots_any_prefix:  # the transformers backend: pause at each snapshot
             pauses = self.boundaries + ([exact] if exact is not None else [])
             end = min([end] + [p for p in pauses if p > start])
+        # Otherwise boundaries inside the chunk are snapshotted after it: splitting a chunk there
+        # would leave short pieces, and short bf16 matmuls cost per row on a CPU. A chunk does stop
+        # where the RoPE scaling switches in, so the boundaries below are kept before the keys turn.
         switch = getattr(self.engine.model, "rope_switch", None)
         if switch is not None and start < switch < end:
-            end = switch  # boundaries below it are snapshotted before its keys are rotated
-        # Otherwise boundaries inside the chunk are snapshotted after it: splitting a chunk there
-        # would leave short pieces, and short bf16 matmuls cost per row on a CPU.
+            end = switch
         chunk = self.prompt_ids[start:end]
         self.position += len(chunk)
         self.stats.prefilled_tokens += len(chunk)
@@ -410,12 +411,11 @@ class Generation:
             # the grammar refuses could never be accepted.
             draft = draft[: self.constraint.valid_prefix(draft)]
         room = min(self.max_tokens - len(self.output), self.engine.draft_room())
-        if isinstance(draft, DraftTree):
-            draft = draft.within(room)
-            if draft:
+        draft = draft.within(room) if isinstance(draft, DraftTree) else (draft or [])[:room]
+        if draft:
+            if isinstance(draft, DraftTree):
                 return self._tree_step(drafter, draft, started)
-        elif draft and draft[:room]:
-            return self._speculative_step(drafter, draft[:room], started)
+            return self._speculative_step(drafter, draft, started)
         logits = self.engine.forward([self.output[-1]])
         emitted = self._emit(self._sample(logits[-1]))
         self.speculation.record_plain(time.perf_counter() - started)

@@ -97,8 +97,9 @@ class KVCache:
         self.length = 0
         # Where the model's RoPE scaling switches in (model.rope_switch), and whether the keys below
         # it have been rotated to the scaled angles. Rotated keys serve only a sequence past the
-        # switch, so a state cut back below it cannot be kept, nor snapshotted: they are a
-        # function of the tokens (rows computed as trained, rotated once), exact like the rest.
+        # switch: a state cut back below it is not kept, and no snapshot below it is taken from
+        # them. So what the cache holds stays a function of its tokens (rows computed as trained,
+        # rotated once past the switch), and a restore or a reuse gives what computing afresh gives.
         self.rope_switch = rope_switch
         self.rope_rotated = False
 
@@ -178,7 +179,7 @@ class KVCache:
         """(the snapshot's length, the base it is built on or None, its first own position)."""
         n = self.length if length is None else length
         if (base is None or base.length > n or len(base.chain()) >= KVSnapshot.MAX_CHAIN
-                or self.rotated_at(base.length) != self.rotated_at(n)):  # a base's keys unrotated, the rest not
+                or self.rotated_at(base.length) != self.rotated_at(n)):  # the base's keys unrotated, this one's not
             return n, None, 0
         if (base.key_scales is None) != (not self.quantized):
             raise ValueError("a snapshot's base must come from the same kind of KV cache")
