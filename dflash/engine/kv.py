@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import Callable
 
 import attrs
 import torch
@@ -117,13 +118,13 @@ class KVCache:
         holds: not where they are rotated and it does not pass the switch."""
         return not self.rope_rotated or self.rotated_at(length)
 
-    def rotate_keys(self, cos: Tensor, signed_sin: Tensor) -> None:
-        """Rotate the keys below the switch by `cos`/`signed_sin` [switch, D] (model._switch_rope), in
-        fp32, a layer at a time."""
+    def rotate_keys(self, rotate: Callable[[Tensor], Tensor]) -> None:
+        """Replace the keys below the switch, a layer at a time, by `rotate` of them ([KV, switch, D]
+        in fp32; model._switch_rope's rotation)."""
         if self.rope_rotated or self.rope_switch is None:
             raise ValueError("the KV cache's keys are rotated already, or it has no RoPE switch")
         for layer in range(self.keys.shape[0]):
-            self._store_rotated_keys(layer, rotated_keys(self._keys_below_switch(layer), cos, signed_sin))
+            self._store_rotated_keys(layer, rotate(self._keys_below_switch(layer)))
         self.rope_rotated = True
 
     def _keys_below_switch(self, layer: int) -> Tensor:
@@ -209,11 +210,6 @@ class KVCache:
         skip, end = begin - link.start, link.length
         self.keys[:, :, begin:end] = link.keys[:, :, skip:]
         self.values[:, :, begin:end] = link.values[:, :, skip:]
-
-
-def rotated_keys(keys: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """keys [..., positions, D] rotated by cos/signed_sin [positions, D] (model.apply_rope's form)."""
-    return keys * cos + torch.roll(keys, keys.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Int8KVCache(KVCache):

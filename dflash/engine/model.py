@@ -367,12 +367,17 @@ def rope_tables(inv_freq: Tensor, max_ctx: int, scale: float, dtype: torch.dtype
     return cos, torch.cat((-sin, sin), dim=-1)
 
 
+def plain_and_scaled_frequencies(args: ModelArgs) -> tuple[Tensor, Tensor, float]:
+    """Plain RoPE's inverse frequencies, the scaled RoPE's, and the scaled one's attention factor."""
+    plain, _ = rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
+    return plain, *rope_inverse_frequencies(args)
+
+
 def switched_rope_tables(args: ModelArgs, max_ctx: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
     """The tables a model whose scaling switches in at `rope_switch(args)` serves with: plain RoPE
     below that position, the scaled one from it on (rope_rotation_tables: the keys below, once past it)."""
     switch = rope_switch(args)
-    plain, _ = rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
-    scaled, scale = rope_inverse_frequencies(args)
+    plain, scaled, scale = plain_and_scaled_frequencies(args)
     plain_cos, plain_sin = rope_tables(plain, min(switch, max_ctx), 1.0, dtype, device)
     scaled_cos, scaled_sin = rope_tables(scaled, max_ctx, scale, dtype, device)
     return torch.cat((plain_cos, scaled_cos[switch:])), torch.cat((plain_sin, scaled_sin[switch:]))
@@ -383,8 +388,7 @@ def rope_rotation_tables(args: ModelArgs, device) -> tuple[Tensor, Tensor]:
     into the key the scaled RoPE gives there: rotations in the same planes add up, so the difference
     of the two angles, times the scaled RoPE's attention factor (plain RoPE's is 1)."""
     switch = rope_switch(args)
-    plain, _ = rope_inverse_frequencies(attrs.evolve(args, rope_scaling=None))
-    scaled, scale = rope_inverse_frequencies(args)
+    plain, scaled, scale = plain_and_scaled_frequencies(args)
     positions = torch.arange(switch, dtype=torch.float32, device=device)
     # Each angle as rope_tables computes it (fp32 products), their difference taken in fp64.
     angles = torch.outer(positions, scaled.to(device)).double() - torch.outer(positions, plain.to(device)).double()
@@ -698,7 +702,7 @@ class Transformer(nn.Module):
         its true distance. Their values, and the keys' content, stay those of the model as trained."""
         if self._rotation is None:
             self._rotation = rope_rotation_tables(self.args, self.device)
-        kv.rotate_keys(*self._rotation)
+        kv.rotate_keys(lambda keys: apply_rope(keys, *self._rotation))
 
     def _forward_across_switch(self, tokens: Tensor, start_position: int, kv: KVCache, capture_layers: Sequence[int],
                                logits_positions, capture_into: Tensor | None) -> tuple[Tensor, list[Tensor]]:
