@@ -83,6 +83,8 @@ class Engine:
         self.speculation = speculation
         # What generations learned of the drafters, per speculation configuration (newest last).
         self._speculation_memories: dict[SpeculationConfig, SpeculationMemory] = {}
+        # The n-gram drafter, its index kept from one generation to the next (NgramDrafter.begin).
+        self._ngram: NgramDrafter | None = None
         if speculation.drafter == "dflash" and dflash_drafter is None:
             raise ValueError("speculative drafter 'dflash' needs a draft model")
         self.max_ctx = max_ctx
@@ -252,11 +254,14 @@ class Engine:
         return memory
 
     def drafters(self) -> dict[str, object]:
-        """Fresh per-generation drafters for the configured mode, in auto mode's preference order."""
+        """The drafters for a generation of the configured mode, in auto mode's preference order."""
         mode = self.speculation.drafter
         chosen: dict[str, object] = {}
         if mode in ("auto", "ngram"):
-            chosen["ngram"] = NgramDrafter(self.speculation.ngram_min, self.speculation.ngram_max)
+            sizes = range(self.speculation.ngram_max, self.speculation.ngram_min - 1, -1)
+            if self._ngram is None or self._ngram.sizes != sizes:
+                self._ngram = NgramDrafter(self.speculation.ngram_min, self.speculation.ngram_max)
+            chosen["ngram"] = self._ngram
         if mode in ("auto", "dflash") and self.dflash_drafter is not None:
             chosen["dflash"] = self.dflash_drafter
         return chosen
@@ -315,6 +320,9 @@ class Generation:
                 "including at least one generated token"
             )
         self.prompt_ids = prompt_ids
+        for drafter in self.speculation.drafters.values():
+            if hasattr(drafter, "begin"):  # the n-gram index follows the prompt before decoding
+                drafter.begin(prompt_ids)
         if compressed:
             self.stats.compressed_from_tokens = len(self.original_prompt)
             engine.compressor.memory.remember(self.original_prompt, prompt_ids)

@@ -95,3 +95,59 @@ def test_ngram_is_confident_only_where_the_recent_text_repeats_an_earlier_span()
     assert NgramDrafter(min_n=2, max_n=4).propose(shorter, 3) == [7, 8, 9]
     assert not NgramDrafter(min_n=2, max_n=4).confident(shorter)
     assert not NgramDrafter(min_n=2, max_n=4).confident(span)  # nothing earlier to repeat
+
+
+def test_ngram_index_kept_across_generations_answers_as_a_fresh_one():
+    """The engine keeps one n-gram drafter (its index of a 20K-token prompt took 166 ms to build
+    afresh on every request): each generation's text is compared with the indexed one in full and
+    the index cut back to what they share, so whatever came before, it proposes what a fresh drafter
+    would, token for token, and nothing of another conversation's text."""
+    import random
+
+    rng = random.Random(0)
+    kept = NgramDrafter(min_n=1, max_n=3)
+    previous: list[int] = []
+    for trial in range(60):
+        shared = rng.randrange(len(previous) + 1) if previous and trial % 4 else 0
+        text = previous[:shared] + [rng.randrange(6) for _ in range(rng.randrange(1, 40))]
+        kept.begin(text[: max(shared, 2)])
+        for length in range(max(shared, 2), len(text) + 1):  # the text growing as a generation's does
+            fresh = NgramDrafter(min_n=1, max_n=3)
+            sequence = text[:length]
+            assert kept.propose(sequence, 4) == fresh.propose(sequence, 4), (trial, length)
+            assert kept.confident(sequence) == fresh.confident(sequence), (trial, length)
+        previous = text
+    ends = {key: list(value) for key, value in kept._ends.items()}
+    fresh = NgramDrafter(min_n=1, max_n=3)
+    fresh.propose(previous, 1)
+    assert ends == fresh._ends  # nothing stale left behind
+
+
+def test_ngram_index_is_cut_back_only_where_the_next_text_differs(monkeypatch):
+    drafter = NgramDrafter()
+    first = list(range(50)) * 4
+    drafter.propose(first, 3)
+    cuts = []
+    cut = NgramDrafter._cut
+    monkeypatch.setattr(NgramDrafter, "_cut", lambda self, length: (cuts.append(length), cut(self, length)))
+    drafter.begin(first + [7, 8])  # the conversation goes on: nothing re-indexed
+    drafter.begin(first[:120] + [9])  # another turn from an earlier point: cut back
+    assert cuts == [200, 120]
+    assert drafter._tokens == first[:120] + [9]
+    drafter.begin(first[:50])  # most of it differs: indexed again rather than cut
+    assert cuts == [200, 120] and drafter._tokens == first[:50]
+    assert drafter.propose(first[:50], 3) == NgramDrafter().propose(first[:50], 3)
+
+
+def test_an_engine_keeps_its_ngram_drafter_across_generations(model):
+    engine = Engine(model, max_ctx=128, prefill_chunk=8, speculation=NGRAM)
+    first = engine.drafters()["ngram"]
+    assert engine.drafters()["ngram"] is first
+    engine.speculation = SpeculationConfig(drafter="ngram", ngram_min=2)
+    assert engine.drafters()["ngram"] is not first  # other sizes: another index
+    # each generation after the first: the same tokens as a fresh engine's, and its prompt indexed
+    # as it starts (before the decode steps the policy times), whatever was indexed before
+    for prompt in PROMPTS:
+        generation = engine.start(prompt, SamplingParams(), max_tokens=16)
+        assert engine.drafters()["ngram"]._tokens == prompt
+        assert generation.run() == generate(model, prompt, SamplingParams(), n=16)[0]

@@ -1,0 +1,53 @@
+"""What the n-gram drafter's index costs a request, per context length: built afresh (what every
+request paid before session 40, and what a new conversation pays), kept from the request before
+when the conversation goes on (a prompt that extends the indexed text by a turn), and cut back to
+an earlier point of it (a turn retried from an earlier message). The median of --repeats, on random
+tokens (the cost does not depend on what they are).
+
+    .venv/bin/python bench/ngram_index.py [--contexts 2000,8000,20000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from dflash.engine.cpu import cpu_kind
+from dflash.engine.drafters.ngram import NgramDrafter
+
+TURN = 200  # tokens a conversation grows by between requests
+
+
+def timed(drafter: NgramDrafter, tokens: list[int]) -> float:
+    started = time.perf_counter()
+    drafter.begin(tokens)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="2000,8000,20000", help="prompt lengths, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    print(f"\ncpu={cpu_kind()} turn={TURN} tokens repeats={args.repeats}")
+    print("| context | built afresh | kept: the conversation goes on | kept: cut back by a turn |")
+    print("|---|---|---|---|")
+    for context in (int(c) for c in args.contexts.split(",")):
+        fresh, goes_on, cut_back = [], [], []
+        for _ in range(args.repeats):
+            before = [rng.randrange(49152) for _ in range(context)]
+            after = before + [rng.randrange(49152) for _ in range(TURN)]
+            fresh.append(timed(NgramDrafter(), after))
+            kept = NgramDrafter()
+            kept.begin(before)
+            goes_on.append(timed(kept, after))
+            cut_back.append(timed(kept, before[: context - TURN] + [rng.randrange(49152) for _ in range(TURN)]))
+        cells = [f"{statistics.median(times) * 1000:.2f} ms" for times in (fresh, goes_on, cut_back)]
+        print(f"| {context} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
