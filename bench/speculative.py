@@ -7,6 +7,7 @@ output is identical to plain greedy decoding.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py [--draft DIR] [--weights auto]
         [--prompts chat] [--rounds 3]   # modes interleaved over rounds, averaged
+        [--paired --rounds 40]          # each prompt in every mode back to back: a ratio ± its error
 
 Without --draft, DFlash runs a random-weight drafter (it shows the cost of drafting, not its gain).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 
@@ -86,6 +88,18 @@ def ratio_spread(ratios: list[float]) -> str:
     return f"{q[0]:.2f}–{q[2]:.2f}"
 
 
+def paired_ratio(runs: list, baseline: list) -> str:
+    """The geometric mean of each run's rate over plain's run of the same prompt in the same round
+    (the lists hold their runs in the same order), ± one standard error. Why: the VM's speed drifts
+    by ±8% over minutes, and a mode's mean over plain's could not tell a 2% loss from none; paired
+    runs (--paired: seconds apart) and the error say how far the ratio can be trusted."""
+    logs = [math.log(r[1] / b[1]) for r, b in zip(runs, baseline)]
+    mean = math.exp(statistics.mean(logs))
+    if len(logs) < 2:
+        return f"{mean:.3f}"
+    return f"{mean:.3f} ± {mean * statistics.stdev(logs) / math.sqrt(len(logs)):.3f}"
+
+
 def with_system(messages: list[dict], tokens: int) -> list[dict]:
     """The conversation after ~`tokens` tokens of the captured Claude Code request (its own system
     message, if any, after it): its system prompt (~1.5K tokens), then its 24 tool definitions as
@@ -139,6 +153,9 @@ def main() -> None:
     parser.add_argument("--interleave", action="store_true",
                         help="the sets' prompts take turns within each mode's round (chat, coding, chat, ...), "
                              "as a server's replies may, instead of each set's rounds one after another")
+    parser.add_argument("--paired", action="store_true",
+                        help="each prompt runs in every mode back to back (the order rotating by round), so that "
+                             "each run is compared with plain's run of the same prompt seconds apart, not minutes")
     parser.add_argument("--modes", help="which modes to run, comma-separated (default: all); plain always runs, first, "
                                         "as the baseline. Fewer modes put a mode's runs closer to plain's on a VM "
                                         "whose speed drifts")
@@ -198,8 +215,8 @@ def main() -> None:
     print(f"\ncpu={cpu_kind()} model={args.model} weights={loaded.weights} kv={loaded.kv_cache} threads={args.threads} tokens={args.tokens} "
           f"system_tokens={args.system_tokens} max_ctx={max_ctx} rope_scaling={engine.model.args.rope_scaling} "
           f"draft={'random weights' if not args.draft else args.draft} tree_rows={rows}")
-    print("| prompts | mode | decode tok/s | τ | vs plain | per round: middle half | identical |")
-    print("|---|---|---|---|---|---|---|")
+    print("| prompts | mode | decode tok/s | τ | vs plain | per round: middle half | paired vs plain, ± 1 s.e. | identical |")
+    print("|---|---|---|---|---|---|---|---|")
     user = lambda prompts: [[{"role": "user", "content": p}] for p in prompts]  # noqa: E731
     sets = {"code editing": ("(a) code editing", user(CODE_EDITING)), "chat": ("(b) chat", user(CHAT)),
             "coding": ("(c) coding", user(CODING)), "tool use": ("(d) tool use", UNSEEN_PROMPTS["tool use"])}
@@ -214,20 +231,30 @@ def main() -> None:
     # Each set's rounds one after another; or (--interleave) the sets' prompts taking turns within
     # each mode's round: chat, coding, chat, coding... as a server's replies may, so that what one
     # reply's policy learned (SpeculationMemory) meets the next reply's other text.
+    def run_in(mode: str, label: str, i: int) -> None:
+        engine.speculation, engine.dflash_drafter = modes[mode]
+        engine.rollback(0)
+        results[label][mode].append(run(engine, ids[label][i], args.tokens))
+
+    # Either way each mode's runs are in the same order (round, prompt), which paired_ratio relies on.
     for labels in ([[label for label, _ in chosen]] if args.interleave else [[label] for label, _ in chosen]):
+        prompts = [(i, label) for i in range(max(len(ids[label]) for label in labels)) for label in labels
+                   if i < len(ids[label])]
         for round_ in range(args.rounds):  # modes interleaved: a shared machine's load changes over minutes
             # Each round starts one mode later, so that no mode always runs right after the same
             # one (auto ran after the fixed-block DFlash mode, the heaviest, in every round).
-            for mode in order[round_ % len(order):] + order[: round_ % len(order)]:
-                config, mode_drafter = modes[mode]
-                engine.speculation, engine.dflash_drafter = config, mode_drafter
-                for i in range(max(len(ids[label]) for label in labels)):
-                    for label in labels:
-                        if i < len(ids[label]):
-                            engine.rollback(0)
-                            results[label][mode].append(run(engine, ids[label][i], args.tokens))
+            rotated = order[round_ % len(order):] + order[: round_ % len(order)]
+            if args.paired:
+                for i, label in prompts:
+                    for mode in rotated:
+                        run_in(mode, label, i)
+            else:
+                for mode in rotated:
+                    for i, label in prompts:
+                        run_in(mode, label, i)
         for label in labels:  # each set's rows as soon as they are measured
             baseline_rate, baseline_out, baseline_rounds = None, None, None
+            baseline_runs = results[label]["plain"]
             for mode, runs in results[label].items():
                 outputs = [r[0] for r in runs]
                 rate = statistics.mean(r[1] for r in runs)
@@ -237,7 +264,8 @@ def main() -> None:
                     baseline_rate, baseline_out, baseline_rounds = rate, outputs, per_round
                 same = "yes" if outputs == baseline_out else "NO"
                 spread = ratio_spread([r / b for r, b in zip(per_round, baseline_rounds)])
-                print(f"| {label} | {mode} | {rate:.1f} | {tau:.2f} | {rate / baseline_rate:.2f}x | {spread} | {same} |",
+                paired = paired_ratio(runs, baseline_runs) if mode != "plain" else "1"
+                print(f"| {label} | {mode} | {rate:.1f} | {tau:.2f} | {rate / baseline_rate:.2f}x | {spread} | {paired} | {same} |",
                       flush=True)
     engine.speculation, engine.dflash_drafter = attrs.evolve(SpeculationConfig()), None
 
