@@ -228,15 +228,16 @@ def main() -> None:
            for label, conversations in chosen}
     results: dict[str, dict[str, list]] = {label: {mode: [] for mode in modes} for label, _ in chosen}
     order = list(modes)
-    # Each set's rounds one after another; or (--interleave) the sets' prompts taking turns within
-    # each mode's round: chat, coding, chat, coding... as a server's replies may, so that what one
-    # reply's policy learned (SpeculationMemory) meets the next reply's other text.
     def run_in(mode: str, label: str, i: int) -> None:
         engine.speculation, engine.dflash_drafter = modes[mode]
         engine.rollback(0)
         results[label][mode].append(run(engine, ids[label][i], args.tokens))
 
-    # Either way each mode's runs are in the same order (round, prompt), which paired_ratio relies on.
+    # Each set's rounds one after another; or (--interleave) the sets' prompts taking turns within
+    # each mode's round: chat, coding, chat, coding... as a server's replies may, so that what one
+    # reply's policy learned (SpeculationMemory) meets the next reply's other text. Within a round,
+    # each mode's prompts in turn, or (--paired) each prompt's modes in turn; either way each mode's
+    # runs are in the same order (round, prompt), which paired_ratio relies on.
     for labels in ([[label for label, _ in chosen]] if args.interleave else [[label] for label, _ in chosen]):
         prompts = [(i, label) for i in range(max(len(ids[label]) for label in labels)) for label in labels
                    if i < len(ids[label])]

@@ -258,9 +258,9 @@ class Engine:
         mode = self.speculation.drafter
         chosen: dict[str, object] = {}
         if mode in ("auto", "ngram"):
-            sizes = range(self.speculation.ngram_max, self.speculation.ngram_min - 1, -1)
-            if self._ngram is None or self._ngram.sizes != sizes:
-                self._ngram = NgramDrafter(self.speculation.ngram_min, self.speculation.ngram_max)
+            sizes = (self.speculation.ngram_min, self.speculation.ngram_max)
+            if self._ngram is None or (self._ngram.min_n, self._ngram.max_n) != sizes:
+                self._ngram = NgramDrafter(*sizes)
             chosen["ngram"] = self._ngram
         if mode in ("auto", "dflash") and self.dflash_drafter is not None:
             chosen["dflash"] = self.dflash_drafter

@@ -15,6 +15,7 @@ class NgramDrafter:
     def __init__(self, min_n: int = 2, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}..{max_n}")
+        self.min_n, self.max_n = min_n, max_n
         self.sizes = range(max_n, min_n - 1, -1)  # longest match first
         self._tokens: list[int] = []
         # n-gram -> the positions just after its occurrences, in order (the latest last); an
