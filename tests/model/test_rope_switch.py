@@ -179,7 +179,7 @@ class PythonInt8Kernels:
 
 
 def test_an_int8_caches_keys_are_rotated_and_quantized_again_and_its_values_kept():
-    from dflash.engine.kv import Int8KVCache, dequantized
+    from dflash.engine.kv import KEY_OFFSET, Int8KVCache, dequantized
     from dflash.engine.model import apply_rope, rope_rotation_tables
 
     switched, *_ = models(torch.float32)
@@ -189,12 +189,12 @@ def test_an_int8_caches_keys_are_rotated_and_quantized_again_and_its_values_kept
     for layer in range(2):
         cache.write(layer, 0, *torch.randn(2, switch + 8, args.num_kv_heads, args.head_dim, generator=generator))
     cache.length = switch + 8
-    keys = dequantized(cache.keys[:, :, :switch], cache.key_scales[:, :, :switch], 128)
+    keys = dequantized(cache.keys[:, :, :switch], cache.key_scales[:, :, :switch], KEY_OFFSET)
     values = (cache.values.clone(), cache.value_scales.clone(), cache.keys[:, :, switch:].clone())
     cos, sin = rope_rotation_tables(args, "cpu")
     cache.rotate_keys(lambda below: apply_rope(below, cos, sin))
     expected = apply_rope(keys, cos, sin)
-    got = dequantized(cache.keys[:, :, :switch], cache.key_scales[:, :, :switch], 128)
+    got = dequantized(cache.keys[:, :, :switch], cache.key_scales[:, :, :switch], KEY_OFFSET)
     assert (got - expected).abs().max() <= 0.51 * cache.key_scales[:, :, :switch].max() + 1e-6  # half a code
     assert (got - keys).abs().max() > 0.1  # they did turn
     assert torch.equal(cache.values, values[0]) and torch.equal(cache.value_scales, values[1])
